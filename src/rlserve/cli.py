@@ -1,0 +1,75 @@
+"""`rlserve serve`: parse the command line once into a `ServeConfig` and run the server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from rlserve.config import DTYPES, EngineConfig, ServeConfig, default_cache_dir
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a model over gRPC (vllm.Inference, vllm.Control)")
+    s.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")
+    s.add_argument("--served-model-name", default="", help="name clients use (default: the model path)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    s.add_argument("--port", type=int, default=50051)
+    s.add_argument("--dtype", default="auto", choices=DTYPES)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--data-parallel-size", type=int, default=1)
+    s.add_argument("--enforce-eager", action="store_true")
+    s.add_argument("--weight-transfer-backend", default="", help="vLLM weight-transfer backend name")
+    s.add_argument("--enable-sleep-mode", action="store_true")
+    s.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"))
+    s.add_argument("--kv-cache-space-gib", type=float, default=None, help="CPU KV cache size")
+    s.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="converted models live here")
+    s.add_argument("--shutdown-grace-s", type=float, default=10.0)
+    return parser
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    model = args.model
+    served_name = args.served_model_name
+    if not model:
+        from rlserve.model_cache import DEFAULT_MODEL_NAME, default_model_dir
+
+        model = str(default_model_dir(args.cache_dir / "models" / DEFAULT_MODEL_NAME))
+        served_name = served_name or DEFAULT_MODEL_NAME
+    engine = EngineConfig(
+        model=model,
+        served_model_name=served_name,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        data_parallel_size=args.data_parallel_size,
+        enforce_eager=args.enforce_eager,
+        weight_transfer_backend=args.weight_transfer_backend,
+        enable_sleep_mode=args.enable_sleep_mode,
+        scheduling_policy=args.scheduling_policy,
+        kv_cache_space_gib=args.kv_cache_space_gib,
+    )
+    return ServeConfig(engine=engine, host=args.host, port=args.port, shutdown_grace_s=args.shutdown_grace_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        config = serve_config(args)
+    except ValueError as e:
+        print(f"rlserve: {e}", file=sys.stderr)
+        return 2
+    from rlserve.server.app import serve
+
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

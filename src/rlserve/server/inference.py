@@ -1,0 +1,30 @@
+"""`vllm.Inference`: proto in, engine generation, proto out. No logic beyond translation."""
+
+from __future__ import annotations
+
+import grpc
+
+from rlserve.api.vllm import inference_pb2, inference_pb2_grpc
+from rlserve.server import convert
+from rlserve.server.backend import EngineSlot
+from rlserve.server.errors import translate_errors
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, slot: EngineSlot) -> None:
+        self._slot = slot
+
+    @translate_errors
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.GenerateResponse:
+        params = convert.generate_params(request, is_stream=False)
+        chunks = [c async for c in self._slot.engine.generate(params)]
+        # FINAL_ONLY output: one chunk for the one sequence (n > 1 is refused for unary).
+        return convert.generate_response(chunks[-1], params)
+
+    @translate_errors
+    async def GenerateStream(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        params = convert.generate_params(request, is_stream=True)
+        async for chunk in self._slot.engine.generate(params):
+            yield convert.generate_response(chunk, params)

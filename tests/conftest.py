@@ -1,0 +1,90 @@
+"""Shared fixtures: one tiny random-weight model, one real vLLM CPU engine per session, and a
+real gRPC server on 127.0.0.1:0 in front of it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
+from rlserve.config import EngineConfig, ServeConfig
+from tiny_model import make_tiny_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def engine_config(tiny_model_dir: Path) -> EngineConfig:
+    return EngineConfig(
+        model=str(tiny_model_dir),
+        served_model_name="tiny",
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=64,
+        enforce_eager=True,
+    )
+
+
+@pytest_asyncio.fixture(scope="session")
+async def engine(engine_config: EngineConfig):
+    from rlserve.engine.adapter import EngineAdapter
+
+    adapter = await asyncio.to_thread(EngineAdapter.start, engine_config)
+    yield adapter
+    adapter.shutdown()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def server(engine, engine_config: EngineConfig):
+    from rlserve.server.app import RlserveServer
+
+    srv = RlserveServer(ServeConfig(engine=engine_config, port=0, shutdown_grace_s=1.0))
+    await srv.start()
+    await srv.attach_engine(engine)
+    yield srv
+    await srv.stop()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def channel(server):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        yield ch
+
+
+@pytest.fixture(scope="session")
+def inference(channel) -> inference_pb2_grpc.InferenceStub:
+    return inference_pb2_grpc.InferenceStub(channel)
+
+
+@pytest.fixture(scope="session")
+def control(channel) -> control_pb2_grpc.ControlStub:
+    return control_pb2_grpc.ControlStub(channel)
+
+
+async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0) -> None:
+    """Wait (bounded) for state another process changes asynchronously, e.g. an abort that
+    reaches the engine core after the client's cancel returned."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(0.05)

@@ -1,0 +1,137 @@
+"""Server behaviour around generation: concurrency, cancellation, deadlines, Abort, health,
+server/model info, and the lifecycle RPCs that answer UNIMPLEMENTED until they land."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import eventually
+from rlserve.api.vllm import control_pb2 as cpb
+from rlserve.api.vllm import inference_pb2 as pb
+from rlserve.client import generate_request
+from rlserve.config import ServeConfig
+from rlserve.server.app import RlserveServer
+
+
+def long_request(request_id: str = "", max_new_tokens: int = 400) -> pb.GenerateRequest:
+    return generate_request("Tell me a long story", max_new_tokens=max_new_tokens, ignore_eos=True,
+                            temperature=0.0, request_id=request_id)
+
+
+async def test_32_concurrent_streams_all_end_with_a_terminal_message(engine, inference):
+    async def one(i: int) -> pb.GenerateResponse:
+        last = None
+        async for r in inference.GenerateStream(generate_request(f"prompt {i}", max_new_tokens=24, ignore_eos=True)):
+            last = r
+        return last
+
+    finals = await asyncio.gather(*(one(i) for i in range(32)))
+    assert len(finals) == 32
+    assert all(f.outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH for f in finals)
+    assert all(f.outputs.finish_info.num_output_tokens == 24 for f in finals)
+    assert engine.num_unfinished_requests() == 0
+
+
+async def test_cancelled_stream_leaves_no_request_in_the_engine(engine, inference):
+    call = inference.GenerateStream(long_request())
+    await call.read()  # the request is running in the engine now
+    assert engine.num_unfinished_requests() == 1
+    call.cancel()
+    await eventually(lambda: engine.num_unfinished_requests() == 0)
+
+
+async def test_deadline_aborts_the_request(engine, inference):
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await inference.Generate(long_request(max_new_tokens=480), timeout=0.5)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await eventually(lambda: engine.num_unfinished_requests() == 0)
+
+
+async def test_abort_ends_a_stream_with_aborted_and_ignores_unknown_ids(engine, inference, control):
+    call = inference.GenerateStream(long_request("to-abort"))
+    first = await call.read()
+    await control.Abort(cpb.AbortRequest(request_ids=["to-abort", "never-existed"]))
+    rest = await read_rest(call)
+    final = (rest or [first])[-1].outputs
+    assert final.finish_info.finish_reason == pb.FinishInfo.ABORTED
+    produced = first.outputs.num_tokens + sum(r.outputs.num_tokens for r in rest)
+    assert final.finish_info.num_output_tokens == produced < 400
+    assert engine.num_unfinished_requests() == 0
+
+
+async def test_server_info_reports_the_real_engine(control):
+    info = await control.GetServerInfo(cpb.GetServerInfoRequest())
+    import vllm
+
+    assert info.engine_version == vllm.__version__
+    assert info.max_model_len == 512
+    assert info.kv_block_size > 0 and info.total_kv_blocks > 0
+    assert info.max_running_requests == 64 and info.max_batched_tokens > 0
+    assert info.parallelism.data_parallel_size == 1 and info.parallelism.world_size == 1
+    assert len(info.instance_id) == 32
+    caps = info.rl_capabilities
+    assert not caps.weight_transfer_enabled and caps.weight_transfer_backend == ""
+    assert not caps.sleep_mode_enabled, "vLLM has no sleep mode on the CPU platform"
+    assert not caps.draft_weight_updates_enabled
+
+
+async def test_model_info_and_kv_event_sources(control, engine_config):
+    info = await control.GetModelInfo(cpb.GetModelInfoRequest())
+    assert info.served_model_name == "tiny"
+    assert list(info.served_model_aliases) == [engine_config.model]
+    assert info.supports_text_input and info.supports_token_ids_input and not info.supports_multimodal
+    assert not (await control.GetKvEventSources(cpb.GetKvEventSourcesRequest())).sources
+
+
+async def test_model_alias_is_accepted(inference, engine_config):
+    r = generate_request("hi", max_new_tokens=2, model=engine_config.model)
+    assert (await inference.Generate(r)).outputs.finish_info.num_output_tokens >= 1
+
+
+async def test_lifecycle_rpcs_are_unimplemented_for_now(control):
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await control.PauseGeneration(cpb.PauseGenerationRequest())
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_health_not_serving_then_serving_then_not_serving(engine, engine_config):
+    srv = RlserveServer(ServeConfig(engine=engine_config, port=0, shutdown_grace_s=5.0))
+    port = await srv.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        check = health_pb2.HealthCheckRequest(service="vllm.Inference")
+        assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await pb_inference(ch).Generate(generate_request("hi", max_new_tokens=2))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        watch = health.Watch(check)
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        await srv.attach_engine(engine)
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        # A stream in flight at shutdown drains within the grace period.
+        stream = pb_inference(ch).GenerateStream(generate_request("drain me", max_new_tokens=32, ignore_eos=True))
+        await stream.read()
+        stopping = asyncio.create_task(srv.stop())
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        rest = await read_rest(stream)
+        assert rest[-1].outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH
+        await stopping
+    assert engine.num_unfinished_requests() == 0
+
+
+def pb_inference(channel):
+    from rlserve.api.vllm import inference_pb2_grpc
+
+    return inference_pb2_grpc.InferenceStub(channel)
+
+
+async def read_rest(call) -> list[pb.GenerateResponse]:
+    """The remaining messages of a stream already read with read() (the two styles can't mix)."""
+    out = []
+    while (r := await call.read()) != grpc.aio.EOF:
+        out.append(r)
+    return out

