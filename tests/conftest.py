@@ -17,7 +17,6 @@ from rlserve.config import EngineConfig, ServeConfig
 from tiny_model import make_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 MAX_MODEL_LEN = 512
 
@@ -36,6 +35,7 @@ def engine_config(tiny_model_dir: Path) -> EngineConfig:
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=64,
         enforce_eager=True,
+        kv_cache_gib=0.5,
     )
 
 

@@ -92,9 +92,9 @@ async def test_model_alias_is_accepted(inference, engine_config):
     assert (await inference.Generate(r)).outputs.finish_info.num_output_tokens >= 1
 
 
-async def test_lifecycle_rpcs_are_unimplemented_for_now(control):
+async def test_weight_transfer_rpcs_are_unimplemented_for_now(control):
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await control.PauseGeneration(cpb.PauseGenerationRequest())
+        await control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 

@@ -27,24 +27,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--weight-transfer-backend", default="", help="vLLM weight-transfer backend name")
     s.add_argument("--enable-sleep-mode", action="store_true")
     s.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"))
-    s.add_argument("--kv-cache-space-gib", type=float, default=None, help="CPU KV cache size")
+    s.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (CPU default: 1 GiB)")
     s.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="converted models live here")
     s.add_argument("--shutdown-grace-s", type=float, default=10.0)
+    s.add_argument("--max-held-requests", type=int, default=4096, help="requests held while paused")
     return parser
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
-    model = args.model
-    served_name = args.served_model_name
+    model, served_name, dtype = args.model, args.served_model_name, args.dtype
     if not model:
         from rlserve.model_cache import DEFAULT_MODEL_NAME, default_model_dir
 
         model = str(default_model_dir(args.cache_dir / "models" / DEFAULT_MODEL_NAME))
         served_name = served_name or DEFAULT_MODEL_NAME
+        # bf16 rounding flips near-ties of this small model on CPU; fp32 is as fast here.
+        dtype = "float32" if args.dtype == "auto" else args.dtype
     engine = EngineConfig(
         model=model,
         served_model_name=served_name,
-        dtype=args.dtype,
+        dtype=dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         data_parallel_size=args.data_parallel_size,
@@ -52,9 +54,15 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         weight_transfer_backend=args.weight_transfer_backend,
         enable_sleep_mode=args.enable_sleep_mode,
         scheduling_policy=args.scheduling_policy,
-        kv_cache_space_gib=args.kv_cache_space_gib,
+        kv_cache_gib=args.kv_cache_gib,
     )
-    return ServeConfig(engine=engine, host=args.host, port=args.port, shutdown_grace_s=args.shutdown_grace_s)
+    return ServeConfig(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        shutdown_grace_s=args.shutdown_grace_s,
+        max_held_requests=args.max_held_requests,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

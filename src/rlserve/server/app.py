@@ -14,18 +14,22 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rlserve.api.rlserve.v1 import lifecycle_pb2, lifecycle_pb2_grpc
 from rlserve.api.vllm import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from rlserve.config import ServeConfig
 from rlserve.engine.adapter import EngineAdapter
+from rlserve.lifecycle.controller import LifecycleController
 from rlserve.server.backend import EngineSlot
 from rlserve.server.control import ControlServicer
 from rlserve.server.inference import InferenceServicer
+from rlserve.server.lifecycle import LifecycleServicer
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAMES = (
     inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
     control_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
+    lifecycle_pb2.DESCRIPTOR.services_by_name["Lifecycle"].full_name,
 )
 
 
@@ -42,6 +46,7 @@ class RlserveServer:
         self._server = grpc.aio.server(options=opts)
         inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(self.slot), self._server)
         control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self.slot), self._server)
+        lifecycle_pb2_grpc.add_LifecycleServicer_to_server(LifecycleServicer(self.slot), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         names = (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self._server)
@@ -66,7 +71,8 @@ class RlserveServer:
 
     async def attach_engine(self, engine: EngineAdapter) -> None:
         """Serve an engine started elsewhere (tests share one); stop() will not shut it down."""
-        self.slot.set(engine)
+        lifecycle = await LifecycleController.create(engine, max_held_requests=self.config.max_held_requests)
+        self.slot.set(engine, lifecycle)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         logger.info("rlserve serving %s", engine.model_info().served_model_name)
 

@@ -1,4 +1,5 @@
-"""The servicers' handle on the engine, which arrives only once it has started."""
+"""The servicers' handle on the engine and its lifecycle controller, which arrive only once
+the engine has started."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from rlserve.errors import EngineUnavailable
 
 if TYPE_CHECKING:
     from rlserve.engine.adapter import EngineAdapter
+    from rlserve.lifecycle.controller import LifecycleController
 
 
 class EngineSlot:
-    """Holds the engine adapter; RPCs before it is set (or after shutdown) get UNAVAILABLE."""
+    """RPCs before the engine is set (or after shutdown) get UNAVAILABLE."""
 
     def __init__(self) -> None:
         self._engine: EngineAdapter | None = None
+        self._lifecycle: LifecycleController | None = None
         self._reason = "the engine is starting; retry when health reports SERVING"
 
     @property
@@ -23,8 +26,14 @@ class EngineSlot:
             raise EngineUnavailable(self._reason)
         return self._engine
 
-    def set(self, engine: EngineAdapter) -> None:
-        self._engine = engine
+    @property
+    def lifecycle(self) -> LifecycleController:
+        if self._lifecycle is None:
+            raise EngineUnavailable(self._reason)
+        return self._lifecycle
+
+    def set(self, engine: EngineAdapter, lifecycle: LifecycleController) -> None:
+        self._engine, self._lifecycle = engine, lifecycle
 
     def clear(self, reason: str) -> None:
-        self._engine, self._reason = None, reason
+        self._engine, self._lifecycle, self._reason = None, None, reason

@@ -1,17 +1,21 @@
-"""`vllm.Control`: server/model info, abort and KV event sources.
+"""`vllm.Control`: server/model info, abort, KV event sources, and the RL lifecycle RPCs
+(pause, sleep, weight version) translated onto the lifecycle controller.
 
-The RL lifecycle RPCs (pause, sleep, weight transfer, version) are not overridden yet, so the
-generated base class answers them UNIMPLEMENTED.
+The weight-transfer RPCs are not overridden yet, so the generated base class answers them
+UNIMPLEMENTED.
 """
 
 from __future__ import annotations
 
 import grpc
 
-from rlserve.api.vllm import control_pb2, control_pb2_grpc
+from rlserve.api.vllm import control_pb2 as pb
+from rlserve.api.vllm import control_pb2_grpc
 from rlserve.server import convert
 from rlserve.server.backend import EngineSlot
 from rlserve.server.errors import translate_errors
+
+Ctx = grpc.aio.ServicerContext
 
 
 class ControlServicer(control_pb2_grpc.ControlServicer):
@@ -19,20 +23,55 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self._slot = slot
 
     @translate_errors
-    async def GetServerInfo(self, request: control_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext):
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: Ctx) -> pb.ServerInfo:
         return convert.server_info(self._slot.engine.server_info())
 
     @translate_errors
-    async def GetModelInfo(self, request: control_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext):
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Ctx) -> pb.ModelInfo:
         return convert.model_info(self._slot.engine.model_info())
 
     @translate_errors
-    async def Abort(self, request: control_pb2.AbortRequest, context: grpc.aio.ServicerContext):
+    async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
         await self._slot.engine.abort(request.request_ids)
-        return control_pb2.AbortResponse()
+        return pb.AbortResponse()
 
     @translate_errors
-    async def GetKvEventSources(
-        self, request: control_pb2.GetKvEventSourcesRequest, context: grpc.aio.ServicerContext
-    ):
+    async def GetKvEventSources(self, request: pb.GetKvEventSourcesRequest, context: Ctx):
         return convert.kv_event_sources(self._slot.engine.kv_event_sources())
+
+    @translate_errors
+    async def PauseGeneration(self, request: pb.PauseGenerationRequest, context: Ctx):
+        await self._slot.lifecycle.pause(*convert.pause_request(request))
+        return pb.PauseGenerationResponse()
+
+    @translate_errors
+    async def ResumeGeneration(self, request: pb.ResumeGenerationRequest, context: Ctx):
+        await self._slot.lifecycle.resume()
+        return pb.ResumeGenerationResponse()
+
+    @translate_errors
+    async def IsPaused(self, request: pb.IsPausedRequest, context: Ctx) -> pb.IsPausedResponse:
+        return pb.IsPausedResponse(paused=self._slot.lifecycle.state.is_paused)
+
+    @translate_errors
+    async def Sleep(self, request: pb.SleepRequest, context: Ctx) -> pb.SleepResponse:
+        await self._slot.lifecycle.sleep(*convert.sleep_request(request))
+        return pb.SleepResponse()
+
+    @translate_errors
+    async def WakeUp(self, request: pb.WakeUpRequest, context: Ctx) -> pb.WakeUpResponse:
+        await self._slot.lifecycle.wake_up(list(request.tags))
+        return pb.WakeUpResponse()
+
+    @translate_errors
+    async def IsSleeping(self, request: pb.IsSleepingRequest, context: Ctx) -> pb.IsSleepingResponse:
+        return pb.IsSleepingResponse(sleeping=self._slot.lifecycle.state.is_sleeping)
+
+    @translate_errors
+    async def UpdateWeightVersion(self, request: pb.UpdateWeightVersionRequest, context: Ctx):
+        await self._slot.lifecycle.update_weight_version(request.weight_version)
+        return pb.UpdateWeightVersionResponse()
+
+    @translate_errors
+    async def GetWeightVersion(self, request: pb.GetWeightVersionRequest, context: Ctx):
+        return pb.GetWeightVersionResponse(weight_version=self._slot.lifecycle.state.weight_version)

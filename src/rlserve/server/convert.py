@@ -12,9 +12,11 @@ from typing import Any
 from google.protobuf import json_format, struct_pb2
 
 from rlserve import types
-from rlserve.api.rlserve.v1 import rlserve_pb2
+from rlserve.api.rlserve.v1 import lifecycle_pb2, rlserve_pb2
 from rlserve.api.vllm import control_pb2, inference_pb2
 from rlserve.errors import InvalidRequest
+from rlserve.lifecycle.controller import LifecycleSnapshot
+from rlserve.lifecycle.state import LifecycleState, PauseMode, PausePhase
 
 STRUCTURED_KINDS = {k.value: k for k in types.StructuredOutputKind}
 
@@ -196,12 +198,16 @@ def server_info(info: types.ServerInfo) -> control_pb2.ServerInfo:
         total_kv_blocks=info.total_kv_blocks,
         max_running_requests=info.max_running_requests,
         max_batched_tokens=info.max_batched_tokens,
-        rl_capabilities=control_pb2.RlCapabilities(
-            weight_transfer_enabled=caps.weight_transfer_enabled,
-            weight_transfer_backend=caps.weight_transfer_backend,
-            sleep_mode_enabled=caps.sleep_mode_enabled,
-            draft_weight_updates_enabled=caps.draft_weight_updates_enabled,
-        ),
+        rl_capabilities=_capabilities(caps),
+    )
+
+
+def _capabilities(caps: types.RlCapabilities) -> control_pb2.RlCapabilities:
+    return control_pb2.RlCapabilities(
+        weight_transfer_enabled=caps.weight_transfer_enabled,
+        weight_transfer_backend=caps.weight_transfer_backend,
+        sleep_mode_enabled=caps.sleep_mode_enabled,
+        draft_weight_updates_enabled=caps.draft_weight_updates_enabled,
     )
 
 
@@ -235,3 +241,63 @@ def kv_event_sources(sources: tuple[types.KvEventSource, ...]) -> control_pb2.Ge
         if s.data_parallel_rank is not None:
             src.data_parallel_rank = s.data_parallel_rank
     return resp
+
+
+# Lifecycle ------------------------------------------------------------------------------
+
+PAUSE_MODES = {
+    control_pb2.PAUSE_MODE_UNSPECIFIED: PauseMode.ABORT,  # upstream treats unspecified as ABORT
+    control_pb2.PAUSE_MODE_ABORT: PauseMode.ABORT,
+    control_pb2.PAUSE_MODE_WAIT: PauseMode.WAIT,
+    control_pb2.PAUSE_MODE_KEEP: PauseMode.KEEP,
+}
+PAUSE_MODE_WIRE = {
+    PauseMode.ABORT: control_pb2.PAUSE_MODE_ABORT,
+    PauseMode.WAIT: control_pb2.PAUSE_MODE_WAIT,
+    PauseMode.KEEP: control_pb2.PAUSE_MODE_KEEP,
+}
+PAUSE_PHASE_WIRE = {
+    PausePhase.RUNNING: lifecycle_pb2.PAUSE_PHASE_RUNNING,
+    PausePhase.PAUSING: lifecycle_pb2.PAUSE_PHASE_PAUSING,
+    PausePhase.PAUSED: lifecycle_pb2.PAUSE_PHASE_PAUSED,
+}
+
+
+def pause_mode(mode: int) -> PauseMode:
+    if mode not in PAUSE_MODES:
+        raise InvalidRequest("mode", f"unknown pause mode {mode}")
+    return PAUSE_MODES[mode]
+
+
+def pause_request(req: control_pb2.PauseGenerationRequest) -> tuple[PauseMode, bool]:
+    return pause_mode(req.mode), req.clear_cache if req.HasField("clear_cache") else True
+
+
+def sleep_request(req: control_pb2.SleepRequest) -> tuple[int, PauseMode]:
+    return (req.level if req.HasField("level") else 1), pause_mode(req.mode)
+
+
+def lifecycle_state(state: LifecycleState) -> lifecycle_pb2.LifecycleState:
+    return lifecycle_pb2.LifecycleState(
+        revision=state.revision,
+        pause_phase=PAUSE_PHASE_WIRE[state.pause_phase],
+        pause_mode=PAUSE_MODE_WIRE[state.pause_mode] if state.pause_mode else 0,
+        asleep=sorted(t.value for t in state.asleep),
+        sleep_level=state.sleep_level,
+        weights_consistent=state.weights_consistent,
+        inconsistency_reason=state.inconsistency_reason,
+        weight_version=state.weight_version,
+        num_held_requests=state.num_held_requests,
+    )
+
+
+def lifecycle_snapshot(snap: LifecycleSnapshot) -> lifecycle_pb2.LifecycleState:
+    msg = lifecycle_state(snap.state)
+    for e in snap.engines:
+        msg.engines.add(data_parallel_rank=e.data_parallel_rank, paused=e.is_paused, weight_version=e.weight_version)
+    msg.capabilities.CopyFrom(_capabilities(snap.capabilities))
+    for a in snap.recent_mutations:
+        msg.recent_mutations.add(
+            sequence=a.sequence, operation=a.operation, detail=a.detail, outcome=a.outcome, unix_time_s=a.unix_time_s
+        )
+    return msg

@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 STATUS_BY_ERROR: tuple[tuple[type[errors.RlserveError], grpc.StatusCode], ...] = (
     (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.CapabilityMissing, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.WrongState, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.ConcurrentChange, grpc.StatusCode.ABORTED),
     (errors.EngineUnavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )

@@ -19,12 +19,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GenerateResponse:
         params = convert.generate_params(request, is_stream=False)
-        chunks = [c async for c in self._slot.engine.generate(params)]
+        chunks = [c async for c in self._slot.lifecycle.generate(params)]
         # FINAL_ONLY output: one chunk for the one sequence (n > 1 is refused for unary).
         return convert.generate_response(chunks[-1], params)
 
     @translate_errors
     async def GenerateStream(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         params = convert.generate_params(request, is_stream=True)
-        async for chunk in self._slot.engine.generate(params):
+        async for chunk in self._slot.lifecycle.generate(params):
             yield convert.generate_response(chunk, params)

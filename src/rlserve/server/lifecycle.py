@@ -1,0 +1,34 @@
+"""`rlserve.v1.Lifecycle`: the whole lifecycle state, its changes as a stream, and the
+compare-and-set version update."""
+
+from __future__ import annotations
+
+import grpc
+
+from rlserve.api.rlserve.v1 import lifecycle_pb2 as pb
+from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
+from rlserve.server import convert
+from rlserve.server.backend import EngineSlot
+from rlserve.server.errors import translate_errors
+
+Ctx = grpc.aio.ServicerContext
+
+
+class LifecycleServicer(lifecycle_pb2_grpc.LifecycleServicer):
+    def __init__(self, slot: EngineSlot) -> None:
+        self._slot = slot
+
+    @translate_errors
+    async def GetState(self, request: pb.GetStateRequest, context: Ctx) -> pb.LifecycleState:
+        return convert.lifecycle_snapshot(await self._slot.lifecycle.snapshot())
+
+    @translate_errors
+    async def WatchState(self, request: pb.WatchStateRequest, context: Ctx):
+        async for state in self._slot.lifecycle.watch():
+            yield convert.lifecycle_state(state)
+
+    @translate_errors
+    async def UpdateWeightVersion(self, request: pb.UpdateWeightVersionRequest, context: Ctx):
+        expected = request.expected_weight_version if request.HasField("expected_weight_version") else None
+        previous = await self._slot.lifecycle.update_weight_version(request.weight_version, expected)
+        return pb.UpdateWeightVersionResponse(previous_weight_version=previous)
