@@ -158,51 +158,60 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PauseGeneration(self, request, context):
-        """Pause generation; mode ABORT aborts in-flight requests, WAIT lets them finish, KEEP
-        freezes them to resume later; UNSPECIFIED means ABORT. Idempotent when already paused.
-        UNIMPLEMENTED in this release.
+        """Pause generation. ABORT ends in-flight requests (finish_reason ABORTED, partial output
+        kept); WAIT lets them finish; KEEP freezes them and continues them after resume;
+        UNSPECIFIED means ABORT. Returns only when the engine is idle (no step running).
+        clear_cache (unset: true) resets the prefix cache. New generation requests are held
+        (not rejected) until resume. Idempotent: pausing when paused is OK, and a stronger mode
+        (ABORT > WAIT > KEEP) applies to what is left.
+        Status: INVALID_ARGUMENT for an unknown mode; ABORTED when a resume overtook a WAIT
+        pause before it drained.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ResumeGeneration(self, request, context):
-        """Resume generation after PauseGeneration. Idempotent when already running.
-        UNIMPLEMENTED in this release.
+        """Resume generation: kept requests continue, held ones start. Idempotent: OK when running.
+        Status: FAILED_PRECONDITION while memory is asleep (call WakeUp) or the weights are
+        inconsistent (after a level-2 sleep or a failed update: load new weights first).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def IsPaused(self, request, context):
-        """Whether generation is paused. Read-only.
-        UNIMPLEMENTED in this release.
+        """Whether generation is paused (true from the start of a pause until resume). Read-only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Sleep(self, request, context):
-        """Put the engine to sleep at `level` (unset: 1), releasing GPU memory; in-flight requests
-        are handled per `mode` as in PauseGeneration. Needs sleep mode configured
-        (else FAILED_PRECONDITION). Idempotent when already asleep.
-        UNIMPLEMENTED in this release.
+        """Pause with `mode`, then release accelerator memory: level 1 offloads weights to host
+        memory and drops the KV cache, level 2 drops both (unset: 1; 0 pauses only).
+        Idempotent: the same or a lower level again is OK.
+        Status: FAILED_PRECONDITION when sleep mode is not available (the CPU platform, or the
+        server was started without --enable-sleep-mode; see rl_capabilities.sleep_mode_enabled);
+        INVALID_ARGUMENT for a level above 2 or level 2 with KEEP.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def WakeUp(self, request, context):
-        """Wake the parts named by `tags` ("weights", "kv_cache", "scheduling"; empty: all).
-        Idempotent when already awake. UNIMPLEMENTED in this release.
+        """Restore the memory named by `tags` ("weights", "kv_cache"; "scheduling" is accepted;
+        empty: all). Once everything is resident, generation resumes if the weights are intact;
+        after a level-2 sleep it stays paused until new weights are loaded. Idempotent: OK when
+        awake. Status: FAILED_PRECONDITION without sleep mode; INVALID_ARGUMENT for unknown tags.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def IsSleeping(self, request, context):
-        """Whether the engine sleeps (a merely paused engine is not sleeping). Read-only.
-        UNIMPLEMENTED in this release.
+        """Whether accelerator memory is released. Unlike upstream, a merely paused engine is not
+        sleeping. Read-only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -251,16 +260,17 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateWeightVersion(self, request, context):
-        """Set the weight version label without moving weights; empty is INVALID_ARGUMENT.
-        Idempotent. UNIMPLEMENTED in this release.
+        """Set the weight version label without moving weights. Never pauses, aborts or loses
+        requests: tokens sampled afterwards carry the new label (see weight_version_spans).
+        Idempotent. Status: INVALID_ARGUMENT for an empty version. rlserve.v1.Lifecycle has a
+        compare-and-set form.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetWeightVersion(self, request, context):
-        """The current weight version label. Read-only.
-        UNIMPLEMENTED in this release.
+        """The current weight version label (starts at "default"). Read-only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
