@@ -7,6 +7,7 @@ directory outside the repository; nothing here changes the project's virtual env
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import os
 import signal
@@ -16,6 +17,8 @@ import subprocess
 import sys
 import sysconfig
 import zipfile
+from collections.abc import Awaitable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +27,7 @@ import psutil
 # Process titles vLLM gives its engine processes; every other descendant is a helper.
 ENGINE_PROCESS_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
 STOP_GRACE_S = 20.0
+READY_TIMEOUT_S = 600.0
 
 
 def free_port() -> int:
@@ -50,6 +54,13 @@ def cpu_s(proc: psutil.Process) -> float:
     return t.user + t.system
 
 
+def machine_cpu_s() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of all cores: busy is neither idle nor waiting on I/O; steal is
+    time the hypervisor gave our virtual CPUs to someone else."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq, getattr(t, "steal", 0.0)
+
+
 @dataclass(frozen=True)
 class CpuSnapshot:
     frontend_s: float
@@ -58,7 +69,9 @@ class CpuSnapshot:
 
     def minus(self, before: CpuSnapshot) -> CpuSnapshot:
         return CpuSnapshot(
-            self.frontend_s - before.frontend_s, self.engine_s - before.engine_s, self.helper_s - before.helper_s
+            self.frontend_s - before.frontend_s,
+            self.engine_s - before.engine_s,
+            self.helper_s - before.helper_s,
         )
 
 
@@ -91,7 +104,7 @@ def describe_tree(frontend: psutil.Process) -> list[str]:
     for child in frontend.children(recursive=True):
         try:
             kind = "engine" if is_engine_process(child) else "helper"
-            out.append(f"{kind}: {' '.join(child.cmdline())[:90] or child.name()}")
+            out.append(f"{kind}: {' '.join(child.cmdline()).strip()[:80] or child.name()}")
         except psutil.Error:
             continue
     return out
@@ -185,9 +198,10 @@ def vllm_rs_binary(work_dir: Path) -> Path | str:
         return binary
     wheel_dir = work_dir / "wheel"
     version = vllm_version()
-    cmd = [sys.executable, "-m", "pip", "download", f"vllm=={version}", "--no-deps", "-q", "-d", str(wheel_dir)]
+    cmd = [sys.executable, "-m", "pip", "download", f"vllm=={version}", "--no-deps", "-q",
+           "-d", str(wheel_dir)]
     print(f"[bench] fetching vllm-rs: {' '.join(cmd)}", file=sys.stderr)
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True)
     wheels = sorted(wheel_dir.glob(f"vllm-{version}-*.whl"))
     if done.returncode != 0 or not wheels:
         return f"unavailable: pip download vllm=={version} failed: {done.stderr.strip()[-300:]}"
@@ -215,7 +229,8 @@ def python_with_vllm_dist(work_dir: Path) -> Path:
     version = f"{vllm_version()}+cpu"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    site_dir = Path(subprocess.check_output([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site_dir = Path(subprocess.check_output([str(python), "-c", purelib], text=True).strip())
     here = sysconfig.get_paths()["purelib"]
     # addsitedir (not a bare path) so this environment's own .pth files (editable rlserve) apply.
     (site_dir / "zz_bench_overlay.pth").write_text(f"import site; site.addsitedir({here!r})\n")
@@ -235,3 +250,64 @@ def child_env() -> dict[str, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return env
+
+
+# --- server processes ----------------------------------------------------------------------
+
+@asynccontextmanager
+async def server(cmd: list[str], log_path: Path):
+    """Start a server process (own session, output to `log_path`); stop its whole tree on exit."""
+    print(f"[bench] $ {' '.join(cmd)}", file=sys.stderr)
+    with log_path.open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=log, stderr=log, env=child_env(), start_new_session=True
+        )
+    try:
+        yield proc
+    finally:
+        await asyncio.to_thread(stop_tree, proc.pid)
+
+
+async def until_ready(ready: Awaitable[None], proc, log_path: Path) -> None:
+    """Wait for `ready`, failing fast (with the log's tail) if the server exits first."""
+    ready_task, exit_task = asyncio.ensure_future(ready), asyncio.ensure_future(proc.wait())
+    try:
+        done, _ = await asyncio.wait(
+            {ready_task, exit_task}, timeout=READY_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        ready_task.cancel()
+        exit_task.cancel()
+    if ready_task in done and ready_task.exception() is None:
+        return
+    if exit_task in done:
+        why = f"exited with {proc.returncode}"
+    else:
+        why = repr(ready_task.exception()) if ready_task in done else f"not ready in {READY_TIMEOUT_S} s"
+    raise RuntimeError(f"server {why}; last log lines:\n{tail(log_path)}")
+
+
+async def grpc_serving(channel) -> None:
+    """Health Watch streams status changes; wait_for_ready covers the time before the bind."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    request = health_pb2.HealthCheckRequest(service="")
+    watch = health_pb2_grpc.HealthStub(channel).Watch(request, wait_for_ready=True)
+    async for update in watch:
+        if update.status == health_pb2.HealthCheckResponse.SERVING:
+            watch.cancel()
+            return
+
+
+async def http_healthy(session, base_url: str) -> None:
+    # vLLM's HTTP server has no status stream: poll /health (bounded by until_ready's timeout).
+    import aiohttp
+
+    while True:
+        try:
+            async with session.get(f"{base_url}/health") as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.5)

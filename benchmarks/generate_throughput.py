@@ -7,18 +7,21 @@ prompts, model, fp32 and engine settings) runs through each leg in turn, one eng
   vllm_http vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`), streaming
             /v1/completions
   vllm_rs   vLLM's Rust frontend (`vllm-rs serve --grpc-port`), the same GenerateStream client
-Each leg warms up, then repeats the measured run (--repeats) and reports medians.
+Each leg warms up, then repeats the measured run (--repeats).
 
-The last stdout line is one JSON object: per leg `tokens_per_s` (generated tokens / wall time of
-the run), `latency_p50_s`/`latency_p99_s` (per request, pooled over the runs), `frontend_cpu_s`
-and `frontend_cpu_ms_per_token`: user+system CPU of the frontend process alone during a run,
-excluding its EngineCore/Worker descendants (`engine_cpu_s`) and other descendants such as
-vllm-rs's Python launcher (`helper_cpu_s`, reported, not counted). For asyncllm the frontend is
-the child process itself, so its figure also holds the (tiny) driving loop; for the servers the
-client runs here and its CPU is `client_cpu_ms_per_token`. `ratios` compares rlserve with the
-others (throughput: higher is better; cpu_per_token: lower is better). A leg that could not run
-holds `unavailable` with the reason. `loadavg_start` is os.getloadavg() as the leg began: the
-machine is shared, so a high one means noisy figures.
+The last stdout line is one JSON object. Per leg: `tokens_per_s` (generated tokens / wall time of
+a run; the median run, all in `tokens_per_s_runs`), `latency_p50_s`/`latency_p99_s` (per request,
+pooled over the runs), `frontend_cpu_s` (mean per run) and `frontend_cpu_ms_per_token` (over all
+runs): user+system CPU of the frontend process alone, all its threads, from /proc. Reported but
+not counted there: its EngineCore/Worker descendants (`engine_cpu_s`), other descendants such as
+vllm-rs's Python launcher (`helper_cpu_s`), the client in this process (`client_cpu_ms_per_token`;
+0 for asyncllm, whose frontend process also runs its own tiny driving loop), and everything else
+on the machine (`foreign_cpu_s`) or taken by the hypervisor (`steal_cpu_s`): the machine is
+shared, and large values, or a high `loadavg_start`, mean noisy figures. `messages_per_token`:
+stream messages per token; below 1 the frontend fell behind and coalesced tokens, which also
+lowers its CPU per token. `ratios` compares rlserve with
+the others (throughput: higher is better; cpu_per_token: lower is better); a leg that could not
+run holds `unavailable` with the reason.
 """
 
 from __future__ import annotations
@@ -32,18 +35,17 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common  # noqa: E402
+import _common as common
 
 LEGS = ("asyncllm", "rlserve", "vllm_http", "vllm_rs")
-ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", "512", "--enforce-eager")
-READY_TIMEOUT_S = 600.0
+MAX_MODEL_LEN = 512
+ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager")
 WARMUP_MAX_NEW_TOKENS = 16
 TARGETS = {
     "rlserve_over_vllm_rs_throughput": ">= 0.97",
@@ -52,66 +54,94 @@ TARGETS = {
     "rlserve_over_vllm_rs_cpu_per_token": "<= 2",
 }
 
-# One request: (prompt, max_new_tokens) -> (latency_s, num_generated_tokens).
-RequestFn = Callable[[str, int], Awaitable[tuple[float, int]]]
+# One request: (prompt, max_new_tokens) -> (latency_s, generated tokens, streamed messages).
+RequestFn = Callable[[str, int], Awaitable[tuple[float, int, int]]]
 
 
 def prompts(num_requests: int) -> list[str]:
-    return [f"Request {i}: tell me a short story about the number {i} and a lighthouse." for i in range(num_requests)]
+    return [
+        f"Request {i}: tell me a short story about the number {i} and a lighthouse."
+        for i in range(num_requests)
+    ]
 
 
 @dataclass(frozen=True)
 class Run:
     wall_s: float
     num_tokens: int
+    num_messages: int
     latencies_s: list[float]
     frontend_cpu_s: float
     engine_cpu_s: float
     helper_cpu_s: float
-    client_cpu_s: float | None
+    client_cpu_s: float
+    foreign_cpu_s: float
+    steal_cpu_s: float
 
 
-async def run_workload(one: RequestFn, texts: list[str], max_new_tokens: int) -> tuple[float, list[float], int]:
+async def run_workload(
+    one: RequestFn, texts: list[str], max_new_tokens: int
+) -> tuple[float, list[tuple[float, int, int]]]:
     """All requests at once; fails if any request produced a different number of tokens."""
     start = time.perf_counter()
     results = await asyncio.gather(*(one(t, max_new_tokens) for t in texts))
     wall_s = time.perf_counter() - start
-    counts = {n for _, n in results}
+    counts = {n for _, n, _ in results}
     if counts != {max_new_tokens}:
         raise RuntimeError(f"expected {max_new_tokens} tokens per request, got {sorted(counts)}")
-    return wall_s, [lat for lat, _ in results], sum(n for _, n in results)
+    return wall_s, results
 
 
-async def measure(one: RequestFn, args: argparse.Namespace, frontend: psutil.Process, client: psutil.Process | None) -> list[Run]:
+async def measure(
+    one: RequestFn, args: argparse.Namespace, frontend: psutil.Process, client: psutil.Process | None
+) -> list[Run]:
+    """Warm up, then `args.repeats` measured runs. CPU is read from /proc around each run:
+    the frontend, its descendants, the client (None: it is the frontend) and the whole machine."""
     texts = prompts(args.num_requests)
     await run_workload(one, texts, WARMUP_MAX_NEW_TOKENS)
     runs = []
     for _ in range(args.repeats):
-        before = common.cpu_snapshot(frontend)
+        before, (busy_before, steal_before) = common.cpu_snapshot(frontend), common.machine_cpu_s()
         client_before = common.cpu_s(client) if client else 0.0
-        wall_s, latencies, num_tokens = await run_workload(one, texts, args.max_new_tokens)
+        wall_s, results = await run_workload(one, texts, args.max_new_tokens)
         cpu = common.cpu_snapshot(frontend).minus(before)
-        client_cpu = common.cpu_s(client) - client_before if client else None
-        runs.append(Run(wall_s, num_tokens, latencies, cpu.frontend_s, cpu.engine_s, cpu.helper_s, client_cpu))
+        client_cpu = common.cpu_s(client) - client_before if client else 0.0
+        ours = cpu.frontend_s + cpu.engine_s + cpu.helper_s + client_cpu
+        busy, steal = common.machine_cpu_s()
+        runs.append(Run(
+            wall_s, sum(r[1] for r in results), sum(r[2] for r in results), [r[0] for r in results],
+            cpu.frontend_s, cpu.engine_s, cpu.helper_s, client_cpu,
+            foreign_cpu_s=busy - busy_before - ours, steal_cpu_s=steal - steal_before,
+        ))
     return runs
 
 
 def summarize(runs: list[Run]) -> dict:
-    per_token = [r.frontend_cpu_s * 1000 / r.num_tokens for r in runs]
+    """Throughput: median run. CPU: totals over all runs (the /proc counters tick every 10 ms,
+    ~10 us per token in one run), as seconds per run and milliseconds per generated token."""
+    num_tokens = sum(r.num_tokens for r in runs)
     latencies = [x for r in runs for x in r.latencies_s]
-    out = {
+
+    def per_run_s(field: str) -> float:
+        return round(sum(getattr(r, field) for r in runs) / len(runs), 3)
+
+    def ms_per_token(field: str) -> float:
+        return round(sum(getattr(r, field) for r in runs) * 1000 / num_tokens, 4)
+
+    return {
         "tokens_per_s": round(common.median([r.num_tokens / r.wall_s for r in runs]), 1),
         "tokens_per_s_runs": [round(r.num_tokens / r.wall_s, 1) for r in runs],
         "latency_p50_s": round(common.percentile(latencies, 50), 3),
         "latency_p99_s": round(common.percentile(latencies, 99), 3),
-        "frontend_cpu_s": round(common.median([r.frontend_cpu_s for r in runs]), 3),
-        "frontend_cpu_ms_per_token": round(common.median(per_token), 3),
-        "engine_cpu_s": round(common.median([r.engine_cpu_s for r in runs]), 3),
-        "helper_cpu_s": round(common.median([r.helper_cpu_s for r in runs]), 3),
+        "frontend_cpu_s": per_run_s("frontend_cpu_s"),
+        "frontend_cpu_ms_per_token": ms_per_token("frontend_cpu_s"),
+        "messages_per_token": round(sum(r.num_messages for r in runs) / num_tokens, 3),
+        "client_cpu_ms_per_token": ms_per_token("client_cpu_s"),
+        "engine_cpu_s": per_run_s("engine_cpu_s"),
+        "helper_cpu_s": per_run_s("helper_cpu_s"),
+        "foreign_cpu_s": per_run_s("foreign_cpu_s"),
+        "steal_cpu_s": per_run_s("steal_cpu_s"),
     }
-    if runs[0].client_cpu_s is not None:
-        out["client_cpu_ms_per_token"] = round(common.median([r.client_cpu_s * 1000 / r.num_tokens for r in runs]), 3)
-    return out
 
 
 # --- clients -------------------------------------------------------------------------------
@@ -122,110 +152,64 @@ def grpc_request_fn(channel) -> RequestFn:
 
     stub = inference_pb2_grpc.InferenceStub(channel)
 
-    async def one(prompt: str, max_new_tokens: int) -> tuple[float, int]:
-        start, num_tokens = time.perf_counter(), 0
+    async def one(prompt: str, max_new_tokens: int) -> tuple[float, int, int]:
+        start, num_tokens, num_messages = time.perf_counter(), 0, 0
         request = generate_request(prompt, max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
         async for response in stub.GenerateStream(request):
             num_tokens += response.outputs.num_tokens
-        return time.perf_counter() - start, num_tokens
+            num_messages += 1
+        return time.perf_counter() - start, num_tokens, num_messages
 
     return one
 
 
 def http_request_fn(session, base_url: str, model: str) -> RequestFn:
-    async def one(prompt: str, max_new_tokens: int) -> tuple[float, int]:
+    async def one(prompt: str, max_new_tokens: int) -> tuple[float, int, int]:
         body = {
             "model": model, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
         }
-        start, num_tokens = time.perf_counter(), 0
+        start, num_tokens, num_messages = time.perf_counter(), 0, 0
         async with session.post(f"{base_url}/v1/completions", json=body) as resp:
             resp.raise_for_status()
             async for line in resp.content:
                 if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
+                num_messages += 1
                 usage = json.loads(line[6:]).get("usage")
-                if usage:
+                if usage:  # the last event, with usage only (stream_options.include_usage)
                     num_tokens = usage["completion_tokens"]
-        return time.perf_counter() - start, num_tokens
+        return time.perf_counter() - start, num_tokens, num_messages
 
     return one
 
 
-# --- servers -------------------------------------------------------------------------------
+# --- legs ----------------------------------------------------------------------------------
 
-@asynccontextmanager
-async def server(cmd: list[str], log_path: Path):
-    """Start a server process (own session, output to `log_path`); stop its whole tree on exit."""
-    print(f"[bench] $ {' '.join(cmd)}", file=sys.stderr)
-    with log_path.open("wb") as log:
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdout=log, stderr=log, env=common.child_env(), start_new_session=True
-        )
-    try:
-        yield proc
-    finally:
-        await asyncio.to_thread(common.stop_tree, proc.pid)
+async def server_leg(
+    cmd: list[str], log_path: Path, ready: Awaitable[None], one: RequestFn, args: argparse.Namespace
+) -> tuple[list[Run], list[str]]:
+    async with common.server(cmd, log_path) as proc:
+        await common.until_ready(ready, proc, log_path)
+        frontend = psutil.Process(proc.pid)
+        runs = await measure(one, args, frontend, client=psutil.Process())
+        return runs, common.describe_tree(frontend)
 
 
-async def until_ready(ready: Awaitable[None], proc, log_path: Path) -> None:
-    """Wait for `ready`, failing fast (with the log's tail) if the server exits first."""
-    ready_task, exit_task = asyncio.ensure_future(ready), asyncio.ensure_future(proc.wait())
-    done, _ = await asyncio.wait({ready_task, exit_task}, timeout=READY_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
-    for task in (ready_task, exit_task):
-        if task not in done:
-            task.cancel()
-    if ready_task not in done:
-        why = f"exited with {proc.returncode}" if exit_task in done else f"not ready in {READY_TIMEOUT_S} s"
-        raise RuntimeError(f"server {why}; last log lines:\n{common.tail(log_path)}")
-    ready_task.result()
-
-
-async def grpc_serving(channel) -> None:
-    """Health Watch streams status changes; wait_for_ready covers the time before the bind."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), wait_for_ready=True)
-    async for update in watch:
-        if update.status == health_pb2.HealthCheckResponse.SERVING:
-            watch.cancel()
-            return
-
-
-async def http_healthy(session, base_url: str) -> None:
-    # vLLM's HTTP server has no status stream: poll /health (bounded by until_ready's timeout).
-    import aiohttp
-
-    while True:
-        try:
-            async with session.get(f"{base_url}/health") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.5)
-
-
-async def grpc_leg(cmd: list[str], port: int, args: argparse.Namespace, log_path: Path) -> tuple[list[Run], list[str]]:
+async def grpc_leg(cmd: list[str], port: int, args: argparse.Namespace, log_path: Path):
     import grpc
 
-    async with server(cmd, log_path) as proc, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        await until_ready(grpc_serving(channel), proc, log_path)
-        frontend = psutil.Process(proc.pid)
-        runs = await measure(grpc_request_fn(channel), args, frontend, psutil.Process())
-        return runs, common.describe_tree(frontend)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return await server_leg(cmd, log_path, common.grpc_serving(channel), grpc_request_fn(channel), args)
 
 
 async def http_leg(cmd: list[str], port: int, model: str, args: argparse.Namespace, log_path: Path):
     import aiohttp
 
     base_url = f"http://127.0.0.1:{port}"
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-    async with server(cmd, log_path) as proc, aiohttp.ClientSession(timeout=timeout) as session:
-        await until_ready(http_healthy(session, base_url), proc, log_path)
-        frontend = psutil.Process(proc.pid)
-        runs = await measure(http_request_fn(session, base_url, model), args, frontend, psutil.Process())
-        return runs, common.describe_tree(frontend)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)) as session:
+        ready, one = common.http_healthy(session, base_url), http_request_fn(session, base_url, model)
+        return await server_leg(cmd, log_path, ready, one, args)
 
 
 async def asyncllm_leg(args: argparse.Namespace, log_path: Path):
@@ -234,7 +218,7 @@ async def asyncllm_leg(args: argparse.Namespace, log_path: Path):
     cmd = [sys.executable, __file__, "--asyncllm-child", str(result_path), "--model", args.model,
            "--num-requests", str(args.num_requests), "--max-new-tokens", str(args.max_new_tokens),
            "--repeats", str(args.repeats)]
-    async with server(cmd, log_path) as proc:
+    async with common.server(cmd, log_path) as proc:
         if await proc.wait() != 0:
             raise RuntimeError(f"the AsyncLLM child failed; last log lines:\n{common.tail(log_path)}")
     result = json.loads(result_path.read_text())
@@ -246,20 +230,24 @@ async def asyncllm_child(args: argparse.Namespace) -> None:
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine_args = AsyncEngineArgs(model=args.model, dtype="float32", max_model_len=512, enforce_eager=True)
-    llm = AsyncLLM.from_engine_args(engine_args)
+    llm = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(model=args.model, dtype="float32", max_model_len=MAX_MODEL_LEN, enforce_eager=True)
+    )
     counter = iter(range(1 << 62))
 
-    async def one(prompt: str, max_new_tokens: int) -> tuple[float, int]:
-        params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-        start, num_tokens = time.perf_counter(), 0
+    async def one(prompt: str, max_new_tokens: int) -> tuple[float, int, int]:
+        params = SamplingParams(
+            max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
+        start, num_tokens, num_messages = time.perf_counter(), 0, 0
         async for out in llm.generate(prompt, params, f"req-{next(counter)}"):
             num_tokens += len(out.outputs[0].token_ids)
-        return time.perf_counter() - start, num_tokens
+            num_messages += 1
+        return time.perf_counter() - start, num_tokens, num_messages
 
     try:
         me = psutil.Process()
-        runs = await measure(one, args, me, None)
+        runs = await measure(one, args, me, client=None)
         result = {"runs": [asdict(r) for r in runs], "tree": common.describe_tree(me)}
         Path(args.asyncllm_child).write_text(json.dumps(result))
     finally:
@@ -277,7 +265,8 @@ async def run_leg(name: str, args: argparse.Namespace, work_dir: Path) -> dict:
         info["frontend"] = "the AsyncLLM child process (includes its driving loop)"
     elif name == "rlserve":
         port = common.free_port()
-        cmd = [sys.executable, "-m", "rlserve", "serve", "--model", args.model, "--port", str(port), *ENGINE_FLAGS]
+        cmd = [sys.executable, "-m", "rlserve", "serve", "--model", args.model, "--port", str(port),
+               *ENGINE_FLAGS]
         runs, tree = await grpc_leg(cmd, port, args, log_path)
         info["frontend"] = "the `python -m rlserve serve` process"
     elif name == "vllm_http":
@@ -340,7 +329,7 @@ async def main(args: argparse.Namespace) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="", help="HF model directory (default: a ~16M random Llama made in --work-dir)")
+    p.add_argument("--model", default="", help="HF model dir (default: a ~16M random Llama in --work-dir)")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -363,4 +352,8 @@ if __name__ == "__main__":
     if cli_args.asyncllm_child:
         asyncio.run(asyncllm_child(cli_args))
     else:
-        print(json.dumps(asyncio.run(main(cli_args))))
+        try:
+            result = asyncio.run(main(cli_args))
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            sys.exit("[bench] interrupted; the servers it started were stopped")
+        print(json.dumps(result))

@@ -24,13 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=None)
     s.add_argument("--data-parallel-size", type=int, default=1)
     s.add_argument("--enforce-eager", action="store_true")
-    s.add_argument("--weight-transfer-backend", default="", help="vLLM weight-transfer backend name")
+    s.add_argument("--weight-transfer-backend", default="", help="rlserve_gloo (CPU or GPU), or vLLM's nccl, ipc, ...")
     s.add_argument("--enable-sleep-mode", action="store_true")
     s.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"))
     s.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (CPU default: 1 GiB)")
     s.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="converted models live here")
     s.add_argument("--shutdown-grace-s", type=float, default=10.0)
     s.add_argument("--max-held-requests", type=int, default=4096, help="requests held while paused")
+    s.add_argument("--transfer-timeout-s", type=float, default=60.0, help="weight-transfer deadline")
     return parser
 
 
@@ -62,6 +63,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         port=args.port,
         shutdown_grace_s=args.shutdown_grace_s,
         max_held_requests=args.max_held_requests,
+        transfer_timeout_s=args.transfer_timeout_s,
     )
 
 

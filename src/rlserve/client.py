@@ -52,6 +52,10 @@ class Client:
         self.inference = inference_pb2_grpc.InferenceStub(self._channel)
         self.control = control_pb2_grpc.ControlStub(self._channel)
 
+    @property
+    def channel(self) -> grpc.Channel:
+        return self._channel
+
     def __enter__(self) -> Client:
         return self
 

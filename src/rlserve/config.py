@@ -62,10 +62,14 @@ class ServeConfig:
     max_message_bytes: int = 64 * 1024 * 1024
     # Generation requests held while paused; more get RESOURCE_EXHAUSTED.
     max_held_requests: int = 4096
+    # Default deadline for weight-transfer rendezvous and each transfer step.
+    transfer_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: {self.port} is out of range 0..65535")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError("transfer_timeout_s must be positive")
         if self.max_held_requests < 0:
             raise ValueError("max_held_requests must be >= 0")
         if self.shutdown_grace_s < 0:

@@ -77,3 +77,23 @@ class TooManyHeldRequests(Overloaded):
         super().__init__(
             f"generation is paused and {limit} requests are already held; retry after resume"
         )
+
+
+class NotPaused(WrongState):
+    pass
+
+
+class NoUpdateSession(WrongState):
+    pass
+
+
+class TransportNotReady(WrongState):
+    pass
+
+
+class UpdateInProgress(ConcurrentChange):
+    pass
+
+
+class TransferTimeout(RlserveError):
+    """A rendezvous or transfer with the trainer ran out of time (or the trainer vanished)."""

@@ -22,6 +22,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from rlserve import __version__
 from rlserve.config import EngineConfig
 from rlserve.engine.outputs import OutputTranslator
+from rlserve.engine.weight_transfer import EngineWeightTransfer
 from rlserve.engine.sampling import ModelLimits, build_prompt_token_ids, build_sampling_params
 from rlserve.errors import EngineUnavailable, InvalidRequest, UnknownModel
 from rlserve.types import (
@@ -38,6 +39,7 @@ from rlserve.types import (
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_GIB = 1.0
+WORKER_EXTENSION = "rlserve.transfer.worker_extension.RlserveWorkerExtension"
 
 
 def engine_args(config: EngineConfig) -> AsyncEngineArgs:
@@ -51,6 +53,7 @@ def engine_args(config: EngineConfig) -> AsyncEngineArgs:
         "enable_sleep_mode": config.enable_sleep_mode,
         "scheduling_policy": config.scheduling_policy,
         "seed": config.seed,
+        "worker_extension_cls": WORKER_EXTENSION,
         **config.extra_engine_args,
     }
     kv_gib = config.kv_cache_gib
@@ -80,6 +83,7 @@ class EngineAdapter:
             default_sampling=vc.model_config.get_diff_sampling_param(),
         )
         self._tokenizer = llm.get_tokenizer()
+        self.weights = EngineWeightTransfer(llm)
         self._eos_token_id = getattr(self._tokenizer, "eos_token_id", None)
 
     @classmethod
@@ -155,7 +159,9 @@ class EngineAdapter:
         return await self._llm.wake_up(tags)
 
     async def reset_prefix_cache(self) -> bool:
-        return await self._llm.reset_prefix_cache()
+        """Drop every cached KV block, also those of kept requests (they are recomputed on
+        resume): after a weight update no old-weight state may be reused."""
+        return await self._llm.engine_core.reset_prefix_cache_async(reset_running_requests=True)
 
     async def set_weight_version(self, version: str) -> None:
         await self._llm.update_weight_version(version)

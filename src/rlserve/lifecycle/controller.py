@@ -10,14 +10,28 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 from rlserve.engine.adapter import EngineAdapter
-from rlserve.errors import CapabilityMissing, PauseSuperseded, TooManyHeldRequests, VersionMismatch
+from rlserve.errors import (
+    CapabilityMissing,
+    InvalidRequest,
+    PauseSuperseded,
+    TooManyHeldRequests,
+    UpdateInProgress,
+    VersionMismatch,
+    WrongState,
+)
 from rlserve.lifecycle.state import (
     MEMORY_TAGS,
+    UpdateSession,
+    check_can_start_update,
+    require_session,
     AuditEntry,
     LifecycleState,
     PauseMode,
@@ -28,9 +42,31 @@ from rlserve.lifecycle.state import (
     check_weight_version,
     parse_wake_tags,
 )
+from rlserve.payloads import parse_json_object
+from rlserve.transfer.protocol import BACKEND_NAME as STAGING_BACKEND
+from rlserve.transfer.protocol import ChunkInfo, ProtocolError
 from rlserve.types import EngineStatus, GenerateChunk, GenerateParams, RlCapabilities
 
 AUDIT_LENGTH = 256
+T = TypeVar("T")
+
+
+def _survives_caller_cancellation(
+    method: Callable[..., Coroutine[Any, Any, T]],
+) -> Callable[..., Coroutine[Any, Any, T]]:
+    """A mutation runs to its end (bounded by its own deadlines) even if the RPC that asked
+    for it is cancelled, e.g. because the trainer died: a half-applied transition would
+    leave the state and the engine disagreeing."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, *args: Any, **kwargs: Any) -> T:
+        task = asyncio.ensure_future(method(self, *args, **kwargs))
+        # If nobody awaits the result any more, still consume its exception (it is audited).
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return await asyncio.shield(task)
+
+    return wrapper
+DEFAULT_TRANSFER_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -42,9 +78,17 @@ class LifecycleSnapshot:
 
 
 class LifecycleController:
-    def __init__(self, engine: EngineAdapter, *, max_held_requests: int, initial_version: str) -> None:
+    def __init__(
+        self,
+        engine: EngineAdapter,
+        *,
+        max_held_requests: int,
+        initial_version: str,
+        transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+    ) -> None:
         self._engine = engine
         self._max_held = max_held_requests
+        self._transfer_timeout_s = transfer_timeout_s
         self._state = LifecycleState(weight_version=initial_version)
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
@@ -57,8 +101,15 @@ class LifecycleController:
         self._audit_sequence = 0
 
     @classmethod
-    async def create(cls, engine: EngineAdapter, *, max_held_requests: int) -> LifecycleController:
-        return cls(engine, max_held_requests=max_held_requests, initial_version=await engine.weight_version())
+    async def create(
+        cls, engine: EngineAdapter, *, max_held_requests: int, transfer_timeout_s: float
+    ) -> LifecycleController:
+        return cls(
+            engine,
+            max_held_requests=max_held_requests,
+            initial_version=await engine.weight_version(),
+            transfer_timeout_s=transfer_timeout_s,
+        )
 
     @property
     def state(self) -> LifecycleState:
@@ -103,6 +154,7 @@ class LifecycleController:
 
     # Pause and resume -------------------------------------------------------------------
 
+    @_survives_caller_cancellation
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         """Return once the engine is idle. Pausing when paused is a no-op unless `mode` is
         stronger (ABORT > WAIT > KEEP), which then applies to what is left.
@@ -145,6 +197,7 @@ class LifecycleController:
                 await self._engine.pause(PauseMode.WAIT.value, clear_cache)
                 self._publish(pause_phase=PausePhase.PAUSED)
 
+    @_survives_caller_cancellation
     async def resume(self) -> None:
         """Raises MemoryAsleep / WeightsInconsistent (FAILED_PRECONDITION). OK when running."""
         async with self._lock:
@@ -163,6 +216,7 @@ class LifecycleController:
 
     # Sleep and wake ---------------------------------------------------------------------
 
+    @_survives_caller_cancellation
     async def sleep(self, level: int, mode: PauseMode) -> None:
         """Raises CapabilityMissing without sleep mode, InvalidRequest for a bad level/mode."""
         async with self._lock:
@@ -183,6 +237,7 @@ class LifecycleController:
                     changes.update(weights_consistent=False, inconsistency_reason="a level-2 sleep discarded them")
                 self._publish(**changes)
 
+    @_survives_caller_cancellation
     async def wake_up(self, tags: list[str]) -> None:
         """Wake the named memory (empty: all). Generation resumes when everything is resident
         and the weights are consistent (as upstream); after a level-2 sleep it stays paused
@@ -214,6 +269,7 @@ class LifecycleController:
 
     # Weight version ---------------------------------------------------------------------
 
+    @_survives_caller_cancellation
     async def update_weight_version(self, version: str, expected: str | None = None) -> str:
         """Relabel the weights without touching requests; returns the previous version.
         Raises InvalidRequest (empty), VersionMismatch (compare-and-set failed)."""
@@ -230,6 +286,151 @@ class LifecycleController:
                 await self._engine.set_weight_version(version)
                 self._publish(weight_version=version)
                 return previous
+
+    # Weight updates ----------------------------------------------------------------------
+
+    @_survives_caller_cancellation
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Set up (or replace) the transport with the trainer, bounded by a deadline.
+        Raises CapabilityMissing, UpdateInProgress, InvalidRequest, TransferTimeout; on any
+        failure the previous transport (if any) stays as it was."""
+        async with self._lock:
+            with self._audited("init_weight_transfer", _init_detail(init_info)):
+                self._require_weight_transfer()
+                if self._state.update_session is not None:
+                    raise UpdateInProgress("finish or abort the open weight update before re-initializing")
+                timeout_s = float(init_info.get("timeout_s", self._transfer_timeout_s))
+                await self._engine.weights.init(init_info, timeout_s)
+                self._publish(transport_ready=True)
+
+    @_survives_caller_cancellation
+    async def start_weight_update(self, is_draft: bool = False) -> UpdateSession:
+        """Open a session. Raises CapabilityMissing, UpdateInProgress (ABORTED),
+        TransportNotReady / NotPaused / MemoryAsleep (FAILED_PRECONDITION)."""
+        async with self._lock:
+            with self._audited("start_weight_update", f"draft={is_draft}"):
+                caps = self._require_weight_transfer()
+                if is_draft and not caps.draft_weight_updates_enabled:
+                    raise CapabilityMissing("this engine has no draft model whose weights could be updated")
+                check_can_start_update(self._state)
+                await self._engine.weights.start(is_draft, self._transfer_timeout_s)
+                session = UpdateSession(uuid.uuid4().hex, is_draft, time.time())
+                changes: dict[str, Any] = {"update_session": session}
+                if not self._stages_updates(caps):
+                    changes.update(weights_consistent=False, inconsistency_reason="an in-place weight update is open")
+                self._publish(**changes)
+                return session
+
+    @_survives_caller_cancellation
+    async def update_weights(self, update_info_json: bytes) -> None:
+        """Receive one chunk (the backend's update_info as JSON). Any failure, bad JSON
+        included, drops the session; with a staging backend the served weights are
+        unchanged. Raises NoUpdateSession, InvalidRequest, TransferTimeout."""
+        async with self._lock:
+            with self._audited("update_weights", f"{len(update_info_json)} bytes of update_info"):
+                session = require_session(self._state, "UpdateWeights")
+                try:
+                    update_info = parse_json_object(update_info_json, "update_info_json")
+                    num_tensors, num_bytes = self._chunk_size(update_info)
+                    # The worker bounds each collective; this bounds the whole chunk.
+                    timeout_s = self._transfer_timeout_s * (1 + num_bytes // (256 * 2**20))
+                    await self._engine.weights.update(update_info, timeout_s)
+                except BaseException:
+                    await self._drop_session("an update chunk failed")
+                    raise
+                self._publish(
+                    update_session=replace(
+                        session,
+                        num_chunks=session.num_chunks + 1,
+                        num_tensors=session.num_tensors + num_tensors,
+                        num_bytes=session.num_bytes + num_bytes,
+                    )
+                )
+
+    @_survives_caller_cancellation
+    async def finish_weight_update(self, version: str | None) -> None:
+        """Commit: new weights go live, every cached KV block is dropped, the version (if
+        given) is published. A commit that fails half way marks the weights inconsistent
+        (resume refused until a complete update succeeds)."""
+        async with self._lock:
+            with self._audited("finish_weight_update", f"version={version!r}"):
+                require_session(self._state, "FinishWeightUpdate")
+                if version is not None:
+                    check_weight_version(version)
+                try:
+                    await self._engine.weights.finish(self._transfer_timeout_s)
+                except BaseException as e:
+                    self._publish(
+                        update_session=None,
+                        weights_consistent=False,
+                        inconsistency_reason=f"the commit failed half way ({type(e).__name__})",
+                    )
+                    raise
+                await self._engine.reset_prefix_cache()
+                changes: dict[str, Any] = {
+                    "update_session": None,
+                    "weights_consistent": True,
+                    "inconsistency_reason": "",
+                }
+                if version is not None and version != self._state.weight_version:
+                    await self._engine.set_weight_version(version)
+                    changes["weight_version"] = version
+                self._publish(**changes)
+
+    @_survives_caller_cancellation
+    async def abort_weight_update(self) -> None:
+        """Drop the open session (no-op without one). With a staging backend the model keeps
+        the weights and version it had; an in-place backend leaves them inconsistent."""
+        async with self._lock:
+            with self._audited("abort_weight_update", "") as outcome:
+                if self._state.update_session is None:
+                    outcome.append("noop")
+                    return
+                await self._drop_session("an in-place update was aborted half way")
+
+    async def weight_checksums(self) -> dict[str, Any]:
+        """Digests of the served weights (HF names), identical across data-parallel engines
+        or the call fails: a mismatch is an engine bug worth a loud error."""
+        self._require_weight_transfer()
+        per_worker = await self._engine.weights.checksums(self._transfer_timeout_s)
+        overall = {w["overall"] for w in per_worker}
+        if len(overall) != 1:
+            raise RuntimeError(f"data-parallel engines serve different weights: {sorted(overall)}")
+        return per_worker[0]
+
+    def _chunk_size(self, update_info: dict[str, Any]) -> tuple[int, int]:
+        """(tensors, bytes) of a chunk; rlserve_gloo's update_info is checked for shape here,
+        other backends' is passed through as vLLM defines it."""
+        if not self._stages_updates(self._engine.capabilities()):
+            names = update_info.get("names")
+            return (len(names) if isinstance(names, list) else 0), 0
+        try:
+            chunk = ChunkInfo.parse(update_info)
+        except ProtocolError as e:
+            raise InvalidRequest("update_info_json", str(e)) from e
+        return len(chunk.tensors), sum(t.num_bytes for t in chunk.tensors)
+
+    async def _drop_session(self, inplace_reason: str) -> None:
+        caps = self._engine.capabilities()
+        with contextlib.suppress(Exception):
+            await self._engine.weights.abort(self._transfer_timeout_s)
+        changes: dict[str, Any] = {"update_session": None}
+        if not self._stages_updates(caps):
+            changes.update(weights_consistent=False, inconsistency_reason=inplace_reason)
+        self._publish(**changes)
+
+    def _require_weight_transfer(self) -> RlCapabilities:
+        caps = self._engine.capabilities()
+        if not caps.weight_transfer_enabled:
+            raise CapabilityMissing(
+                "weight transfer is not configured; start the server with --weight-transfer-backend"
+            )
+        return caps
+
+    @staticmethod
+    def _stages_updates(caps: RlCapabilities) -> bool:
+        """Only rlserve's own backend stages updates; vLLM's write into the live weights."""
+        return caps.weight_transfer_backend == STAGING_BACKEND
 
     # Observation ------------------------------------------------------------------------
 
@@ -269,3 +470,9 @@ class LifecycleController:
     def _record(self, operation: str, detail: str, outcome: str) -> None:
         self._audit_sequence += 1
         self._audit.append(AuditEntry(self._audit_sequence, operation, detail, outcome, time.time()))
+
+
+def _init_detail(init_info: dict[str, Any]) -> str:
+    keys = ("master_address", "master_port", "rank_offset", "world_size", "timeout_s")
+    return " ".join(f"{k}={init_info[k]}" for k in keys if k in init_info)
+

@@ -9,7 +9,16 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from rlserve.errors import InvalidRequest, MemoryAsleep, WeightsInconsistent
+from rlserve.errors import (
+    InvalidRequest,
+    MemoryAsleep,
+    NotPaused,
+    NoUpdateSession,
+    TransportNotReady,
+    UpdateInProgress,
+    WeightsInconsistent,
+    WrongState,
+)
 
 DEFAULT_WEIGHT_VERSION = "default"
 
@@ -45,6 +54,18 @@ MEMORY_TAGS = frozenset({SleepTag.WEIGHTS, SleepTag.KV_CACHE})
 
 
 @dataclass(frozen=True)
+class UpdateSession:
+    """An open weight update: StartWeightUpdate happened, FinishWeightUpdate not yet."""
+
+    session_id: str
+    is_draft: bool
+    started_unix_s: float
+    num_chunks: int = 0
+    num_tensors: int = 0
+    num_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class LifecycleState:
     revision: int = 0
     pause_phase: PausePhase = PausePhase.RUNNING
@@ -55,6 +76,8 @@ class LifecycleState:
     inconsistency_reason: str = ""
     weight_version: str = DEFAULT_WEIGHT_VERSION
     num_held_requests: int = 0
+    transport_ready: bool = False
+    update_session: UpdateSession | None = None
 
     @property
     def is_paused(self) -> bool:
@@ -79,6 +102,11 @@ class AuditEntry:
 
 
 def check_can_resume(state: LifecycleState) -> None:
+    if state.update_session is not None:
+        raise WrongState(
+            f"weight update {state.update_session.session_id} is open; "
+            "FinishWeightUpdate or AbortWeightUpdate before ResumeGeneration"
+        )
     if state.asleep:
         tags = ", ".join(sorted(t.value for t in state.asleep))
         raise MemoryAsleep(f"memory is asleep ({tags}); call WakeUp before ResumeGeneration")
@@ -87,6 +115,28 @@ def check_can_resume(state: LifecycleState) -> None:
             f"the weights are not a complete set ({state.inconsistency_reason}); "
             "load new weights with a weight update before ResumeGeneration"
         )
+
+
+def check_can_start_update(state: LifecycleState) -> None:
+    if state.update_session is not None:
+        raise UpdateInProgress(
+            f"weight update {state.update_session.session_id} is already open; finish or abort it first"
+        )
+    if not state.transport_ready:
+        raise TransportNotReady("no weight transport; call InitWeightTransferEngine first")
+    if state.pause_phase is not PausePhase.PAUSED:
+        raise NotPaused(
+            f"pause generation before StartWeightUpdate (state: {state.pause_phase.name}); "
+            "PauseGeneration returns once the pause is complete"
+        )
+    if SleepTag.WEIGHTS in state.asleep:
+        raise MemoryAsleep("the weights are asleep; WakeUp with tags=[weights] before StartWeightUpdate")
+
+
+def require_session(state: LifecycleState, call: str) -> UpdateSession:
+    if state.update_session is None:
+        raise NoUpdateSession(f"no weight update is open; StartWeightUpdate before {call}")
+    return state.update_session
 
 
 def check_sleep_request(level: int, mode: PauseMode) -> None:

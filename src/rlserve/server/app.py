@@ -71,7 +71,11 @@ class RlserveServer:
 
     async def attach_engine(self, engine: EngineAdapter) -> None:
         """Serve an engine started elsewhere (tests share one); stop() will not shut it down."""
-        lifecycle = await LifecycleController.create(engine, max_held_requests=self.config.max_held_requests)
+        lifecycle = await LifecycleController.create(
+            engine,
+            max_held_requests=self.config.max_held_requests,
+            transfer_timeout_s=self.config.transfer_timeout_s,
+        )
         self.slot.set(engine, lifecycle)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         logger.info("rlserve serving %s", engine.model_info().served_model_name)

@@ -1,9 +1,5 @@
 """`vllm.Control`: server/model info, abort, KV event sources, and the RL lifecycle RPCs
-(pause, sleep, weight version) translated onto the lifecycle controller.
-
-The weight-transfer RPCs are not overridden yet, so the generated base class answers them
-UNIMPLEMENTED.
-"""
+(pause, sleep, weight transfer, weight version) translated onto the lifecycle controller."""
 
 from __future__ import annotations
 
@@ -11,6 +7,7 @@ import grpc
 
 from rlserve.api.vllm import control_pb2 as pb
 from rlserve.api.vllm import control_pb2_grpc
+from rlserve.payloads import parse_json_object
 from rlserve.server import convert
 from rlserve.server.backend import EngineSlot
 from rlserve.server.errors import translate_errors
@@ -75,3 +72,29 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     @translate_errors
     async def GetWeightVersion(self, request: pb.GetWeightVersionRequest, context: Ctx):
         return pb.GetWeightVersionResponse(weight_version=self._slot.lifecycle.state.weight_version)
+
+    @translate_errors
+    async def InitWeightTransferEngine(self, request: pb.InitWeightTransferEngineRequest, context: Ctx):
+        await self._slot.lifecycle.init_weight_transfer(parse_json_object(request.init_info_json, "init_info_json"))
+        return pb.InitWeightTransferEngineResponse()
+
+    @translate_errors
+    async def StartWeightUpdate(self, request: pb.StartWeightUpdateRequest, context: Ctx):
+        await self._slot.lifecycle.start_weight_update(is_draft=False)
+        return pb.StartWeightUpdateResponse()
+
+    @translate_errors
+    async def StartDraftWeightUpdate(self, request: pb.StartDraftWeightUpdateRequest, context: Ctx):
+        await self._slot.lifecycle.start_weight_update(is_draft=True)
+        return pb.StartDraftWeightUpdateResponse()
+
+    @translate_errors
+    async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context: Ctx) -> pb.UpdateWeightsResponse:
+        await self._slot.lifecycle.update_weights(request.update_info_json)
+        return pb.UpdateWeightsResponse()
+
+    @translate_errors
+    async def FinishWeightUpdate(self, request: pb.FinishWeightUpdateRequest, context: Ctx):
+        version = request.weight_version if request.HasField("weight_version") else None
+        await self._slot.lifecycle.finish_weight_update(version)
+        return pb.FinishWeightUpdateResponse()

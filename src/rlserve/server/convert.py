@@ -6,7 +6,6 @@ each refusal names the field. Everything the engine must judge is left to the en
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from google.protobuf import json_format, struct_pb2
@@ -15,7 +14,9 @@ from rlserve import types
 from rlserve.api.rlserve.v1 import lifecycle_pb2, rlserve_pb2
 from rlserve.api.vllm import control_pb2, inference_pb2
 from rlserve.errors import InvalidRequest
+from rlserve.payloads import parse_json_object
 from rlserve.lifecycle.controller import LifecycleSnapshot
+from rlserve.transfer.protocol import CHECKSUM_ALGORITHM
 from rlserve.lifecycle.state import LifecycleState, PauseMode, PausePhase
 
 STRUCTURED_KINDS = {k.value: k for k in types.StructuredOutputKind}
@@ -117,15 +118,7 @@ def _struct(s: struct_pb2.Struct) -> dict[str, Any]:
 
 
 def _json_object(raw: bytes, field: str) -> dict[str, Any] | None:
-    if not raw:
-        return None
-    try:
-        value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InvalidRequest(field, f"not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise InvalidRequest(field, "must be a JSON object")
-    return value
+    return parse_json_object(raw, field) if raw else None
 
 
 def generate_response(chunk: types.GenerateChunk, params: types.GenerateParams) -> inference_pb2.GenerateResponse:
@@ -278,7 +271,7 @@ def sleep_request(req: control_pb2.SleepRequest) -> tuple[int, PauseMode]:
 
 
 def lifecycle_state(state: LifecycleState) -> lifecycle_pb2.LifecycleState:
-    return lifecycle_pb2.LifecycleState(
+    msg = lifecycle_pb2.LifecycleState(
         revision=state.revision,
         pause_phase=PAUSE_PHASE_WIRE[state.pause_phase],
         pause_mode=PAUSE_MODE_WIRE[state.pause_mode] if state.pause_mode else 0,
@@ -288,7 +281,21 @@ def lifecycle_state(state: LifecycleState) -> lifecycle_pb2.LifecycleState:
         inconsistency_reason=state.inconsistency_reason,
         weight_version=state.weight_version,
         num_held_requests=state.num_held_requests,
+        transport_ready=state.transport_ready,
     )
+    session = state.update_session
+    if session is not None:
+        msg.update_session.CopyFrom(
+            lifecycle_pb2.WeightUpdateSession(
+                session_id=session.session_id,
+                is_draft=session.is_draft,
+                num_chunks=session.num_chunks,
+                num_tensors=session.num_tensors,
+                num_bytes=session.num_bytes,
+                started_unix_s=session.started_unix_s,
+            )
+        )
+    return msg
 
 
 def lifecycle_snapshot(snap: LifecycleSnapshot) -> lifecycle_pb2.LifecycleState:
@@ -301,3 +308,9 @@ def lifecycle_snapshot(snap: LifecycleSnapshot) -> lifecycle_pb2.LifecycleState:
             sequence=a.sequence, operation=a.operation, detail=a.detail, outcome=a.outcome, unix_time_s=a.unix_time_s
         )
     return msg
+
+
+def weight_checksum(digests: dict[str, Any]) -> lifecycle_pb2.WeightChecksum:
+    return lifecycle_pb2.WeightChecksum(
+        algorithm=CHECKSUM_ALGORITHM, overall=digests["overall"], per_tensor=digests["per_tensor"]
+    )

@@ -25,6 +25,7 @@ STATUS_BY_ERROR: tuple[tuple[type[errors.RlserveError], grpc.StatusCode], ...] =
     (errors.WrongState, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ConcurrentChange, grpc.StatusCode.ABORTED),
     (errors.EngineUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.TransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
 

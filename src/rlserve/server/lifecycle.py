@@ -32,3 +32,12 @@ class LifecycleServicer(lifecycle_pb2_grpc.LifecycleServicer):
         expected = request.expected_weight_version if request.HasField("expected_weight_version") else None
         previous = await self._slot.lifecycle.update_weight_version(request.weight_version, expected)
         return pb.UpdateWeightVersionResponse(previous_weight_version=previous)
+
+    @translate_errors
+    async def AbortWeightUpdate(self, request: pb.AbortWeightUpdateRequest, context: Ctx):
+        await self._slot.lifecycle.abort_weight_update()
+        return pb.AbortWeightUpdateResponse()
+
+    @translate_errors
+    async def GetWeightChecksum(self, request: pb.GetWeightChecksumRequest, context: Ctx) -> pb.WeightChecksum:
+        return convert.weight_checksum(await self._slot.lifecycle.weight_checksums())

@@ -218,42 +218,56 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def InitWeightTransferEngine(self, request, context):
-        """Join the weight-transfer group using the backend's init_info JSON. Needs weight
-        transfer configured (else FAILED_PRECONDITION); malformed JSON is INVALID_ARGUMENT.
-        UNIMPLEMENTED in this release.
+        """Set up the configured weight-transfer backend's transport with the trainer from
+        init_info_json (backend-specific; for collectives: master_address, master_port,
+        rank_offset, world_size, optional timeout_s; the trainer is rank 0). Bounded by a
+        deadline (timeout_s, or the server's --transfer-timeout-s). Re-init replaces the old
+        transport; a failed init leaves it as it was.
+        Status: FAILED_PRECONDITION without weight transfer configured; INVALID_ARGUMENT for
+        malformed JSON; DEADLINE_EXCEEDED when the trainer does not show up in time; ABORTED
+        while an update session is open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def StartWeightUpdate(self, request, context):
-        """Open a weight-update session; generation must be paused.
-        UNIMPLEMENTED in this release.
+        """Open a weight-update session. Preconditions: weight transfer configured and initialized,
+        generation paused (pause completed) and the weights' memory awake.
+        Status: FAILED_PRECONDITION when a precondition does not hold (the message says which);
+        ABORTED when a session is already open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def StartDraftWeightUpdate(self, request, context):
-        """Open a weight-update session for the speculative-decoding draft model.
-        UNIMPLEMENTED in this release.
+        """As StartWeightUpdate, for the speculative-decoding draft model.
+        Status: FAILED_PRECONDITION when the engine has no draft model or the backend cannot
+        update one (rlserve_gloo cannot).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UpdateWeights(self, request, context):
-        """Receive one batch of tensors described by the backend's update_info JSON on the
-        backend's own transport, inside an open update session.
-        UNIMPLEMENTED in this release.
+        """Receive one chunk described by update_info_json (for rlserve_gloo: names, dtype_names,
+        shapes, checksums, bucket_bytes) while the trainer sends it on the backend's transport.
+        Status: FAILED_PRECONDITION without an open session; INVALID_ARGUMENT for bad JSON,
+        unknown or duplicate names, wrong shapes or dtypes, mismatched list lengths or
+        checksums; DEADLINE_EXCEEDED when the trainer stops sending. Any error drops the
+        session; with rlserve_gloo the served weights are unchanged.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def FinishWeightUpdate(self, request, context):
-        """Close the update session; on success set weight_version when given.
-        UNIMPLEMENTED in this release.
+        """Commit: the new weights go live, every cached KV block is dropped (kept requests are
+        recomputed on resume), and weight_version (when set) is published. Resume afterwards.
+        Status: FAILED_PRECONDITION without an open session; INVALID_ARGUMENT for an empty
+        weight_version; INTERNAL when the commit itself failed (the weights are then marked
+        inconsistent and resume is refused until a complete update succeeds).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -19,6 +19,51 @@ PAUSE_PHASE_RUNNING: PausePhase
 PAUSE_PHASE_PAUSING: PausePhase
 PAUSE_PHASE_PAUSED: PausePhase
 
+class AbortWeightUpdateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AbortWeightUpdateResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetWeightChecksumRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WeightChecksum(_message.Message):
+    __slots__ = ("algorithm", "overall", "per_tensor")
+    class PerTensorEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    OVERALL_FIELD_NUMBER: _ClassVar[int]
+    PER_TENSOR_FIELD_NUMBER: _ClassVar[int]
+    algorithm: str
+    overall: str
+    per_tensor: _containers.ScalarMap[str, str]
+    def __init__(self, algorithm: _Optional[str] = ..., overall: _Optional[str] = ..., per_tensor: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class WeightUpdateSession(_message.Message):
+    __slots__ = ("session_id", "is_draft", "num_chunks", "num_tensors", "num_bytes", "started_unix_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    IS_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    is_draft: bool
+    num_chunks: int
+    num_tensors: int
+    num_bytes: int
+    started_unix_s: float
+    def __init__(self, session_id: _Optional[str] = ..., is_draft: _Optional[bool] = ..., num_chunks: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., started_unix_s: _Optional[float] = ...) -> None: ...
+
 class GetStateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -52,7 +97,7 @@ class AuditEntry(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., operation: _Optional[str] = ..., detail: _Optional[str] = ..., outcome: _Optional[str] = ..., unix_time_s: _Optional[float] = ...) -> None: ...
 
 class LifecycleState(_message.Message):
-    __slots__ = ("revision", "pause_phase", "pause_mode", "asleep", "sleep_level", "weights_consistent", "inconsistency_reason", "weight_version", "num_held_requests", "engines", "capabilities", "recent_mutations")
+    __slots__ = ("revision", "pause_phase", "pause_mode", "asleep", "sleep_level", "weights_consistent", "inconsistency_reason", "weight_version", "num_held_requests", "engines", "capabilities", "recent_mutations", "transport_ready", "update_session")
     REVISION_FIELD_NUMBER: _ClassVar[int]
     PAUSE_PHASE_FIELD_NUMBER: _ClassVar[int]
     PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +110,8 @@ class LifecycleState(_message.Message):
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     RECENT_MUTATIONS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_READY_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_SESSION_FIELD_NUMBER: _ClassVar[int]
     revision: int
     pause_phase: PausePhase
     pause_mode: _control_pb2.PauseMode
@@ -77,7 +124,9 @@ class LifecycleState(_message.Message):
     engines: _containers.RepeatedCompositeFieldContainer[EngineState]
     capabilities: _control_pb2.RlCapabilities
     recent_mutations: _containers.RepeatedCompositeFieldContainer[AuditEntry]
-    def __init__(self, revision: _Optional[int] = ..., pause_phase: _Optional[_Union[PausePhase, str]] = ..., pause_mode: _Optional[_Union[_control_pb2.PauseMode, str]] = ..., asleep: _Optional[_Iterable[str]] = ..., sleep_level: _Optional[int] = ..., weights_consistent: _Optional[bool] = ..., inconsistency_reason: _Optional[str] = ..., weight_version: _Optional[str] = ..., num_held_requests: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., capabilities: _Optional[_Union[_control_pb2.RlCapabilities, _Mapping]] = ..., recent_mutations: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ...) -> None: ...
+    transport_ready: bool
+    update_session: WeightUpdateSession
+    def __init__(self, revision: _Optional[int] = ..., pause_phase: _Optional[_Union[PausePhase, str]] = ..., pause_mode: _Optional[_Union[_control_pb2.PauseMode, str]] = ..., asleep: _Optional[_Iterable[str]] = ..., sleep_level: _Optional[int] = ..., weights_consistent: _Optional[bool] = ..., inconsistency_reason: _Optional[str] = ..., weight_version: _Optional[str] = ..., num_held_requests: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., capabilities: _Optional[_Union[_control_pb2.RlCapabilities, _Mapping]] = ..., recent_mutations: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ..., transport_ready: _Optional[bool] = ..., update_session: _Optional[_Union[WeightUpdateSession, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightVersionRequest(_message.Message):
     __slots__ = ("weight_version", "expected_weight_version")

@@ -49,6 +49,16 @@ class LifecycleStub:
                 request_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.UpdateWeightVersionRequest.SerializeToString,
                 response_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.UpdateWeightVersionResponse.FromString,
                 _registered_method=True)
+        self.AbortWeightUpdate = channel.unary_unary(
+                '/rlserve.v1.Lifecycle/AbortWeightUpdate',
+                request_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.AbortWeightUpdateRequest.SerializeToString,
+                response_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.AbortWeightUpdateResponse.FromString,
+                _registered_method=True)
+        self.GetWeightChecksum = channel.unary_unary(
+                '/rlserve.v1.Lifecycle/GetWeightChecksum',
+                request_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.GetWeightChecksumRequest.SerializeToString,
+                response_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.WeightChecksum.FromString,
+                _registered_method=True)
 
 
 class LifecycleServicer:
@@ -83,6 +93,27 @@ class LifecycleServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbortWeightUpdate(self, request, context):
+        """Drop the open weight-update session. With the rlserve_gloo backend (which stages what it
+        receives) the model keeps the weights and version it had; with an in-place backend
+        (vLLM's nccl, ipc, ...) the weights are marked inconsistent and resume is refused until
+        a complete update succeeds. Idempotent: OK when no session is open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWeightChecksum(self, request, context):
+        """Digests of the weights the engine serves, per tensor (Hugging Face checkpoint names) and
+        overall: the checkpoint it loaded, overlaid with every tensor committed by an update
+        since. A trainer computes the same digests with rlserve.trainer (xxh3-128 of each
+        tensor's row-major bytes; overall over sorted (name, digest) pairs) and compares.
+        Read-only. Status: FAILED_PRECONDITION without weight transfer configured.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LifecycleServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -100,6 +131,16 @@ def add_LifecycleServicer_to_server(servicer, server):
                     servicer.UpdateWeightVersion,
                     request_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.UpdateWeightVersionRequest.FromString,
                     response_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.UpdateWeightVersionResponse.SerializeToString,
+            ),
+            'AbortWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortWeightUpdate,
+                    request_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.AbortWeightUpdateRequest.FromString,
+                    response_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.AbortWeightUpdateResponse.SerializeToString,
+            ),
+            'GetWeightChecksum': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWeightChecksum,
+                    request_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.GetWeightChecksumRequest.FromString,
+                    response_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.WeightChecksum.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,6 +224,60 @@ class Lifecycle:
             '/rlserve.v1.Lifecycle/UpdateWeightVersion',
             rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.UpdateWeightVersionRequest.SerializeToString,
             rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.UpdateWeightVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlserve.v1.Lifecycle/AbortWeightUpdate',
+            rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.AbortWeightUpdateRequest.SerializeToString,
+            rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.AbortWeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWeightChecksum(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlserve.v1.Lifecycle/GetWeightChecksum',
+            rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.GetWeightChecksumRequest.SerializeToString,
+            rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.WeightChecksum.FromString,
             options,
             channel_credentials,
             insecure,

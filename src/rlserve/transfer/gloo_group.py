@@ -1,0 +1,54 @@
+"""A gloo process group between one trainer (rank 0) and the inference workers, built from
+its own TCPStore so it never touches a process's default torch.distributed group.
+
+Every rendezvous and every collective carries a deadline; a peer that dies surfaces as an
+error at once (connection closed) or at the deadline, never as a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+
+class GlooGroup:
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+        """Rendezvous through `store`; blocks until every member joined or `timeout_s`."""
+        self.rank, self.world_size = rank, world_size
+        self._store = store
+        self._pg = dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=timeout_s))
+
+    @classmethod
+    def join(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> GlooGroup:
+        """A worker joins the trainer's store."""
+        store = dist.TCPStore(
+            host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        return cls(store, rank, world_size, timeout_s)
+
+    @staticmethod
+    def host_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+        """The trainer's store; port 0 picks a free one (read it from `.port`)."""
+        return dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+
+    def vote(self, ok: bool) -> bool:
+        """All members agree to go on with a chunk, or all learn that someone refused."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self._pg.allreduce([flag], opts).wait()
+        return bool(flag.item())
+
+    def broadcast_async(self, buffer: torch.Tensor) -> dist.Work:
+        """Rank 0 sends `buffer`, every other rank receives into it; `.wait()` the result.
+        Collectives complete in the order they were issued on every rank."""
+        return self._pg.broadcast(buffer, 0)

@@ -1,0 +1,414 @@
+"""Weight transfer end to end on CPU: a real vLLM engine with the rlserve_gloo backend, a real
+gloo group, and the trainer SDK in another process (or, where a test plays a misbehaving
+trainer by hand, a gloo member in a thread of this process)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
+from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
+from rlserve.api.vllm import control_pb2 as cpb
+from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
+from rlserve.client import Client, generate_request
+from rlserve.config import EngineConfig, ServeConfig
+from rlserve.transfer.gloo_group import GlooGroup
+from rlserve.transfer.protocol import ChunkInfo, TensorMeta, combined_checksum, tensor_checksum
+from rlserve.trainer import WeightSync, WeightSyncError
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+TRAINER = Path(__file__).with_name("trainer_process.py")
+INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+
+
+@pytest_asyncio.fixture(scope="module")
+async def wt_engine(engine_config: EngineConfig):
+    from rlserve.engine.adapter import EngineAdapter
+
+    config = replace(engine_config, weight_transfer_backend="rlserve_gloo")
+    adapter = await asyncio.to_thread(EngineAdapter.start, config)
+    yield adapter
+    adapter.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def wt_server(wt_engine, engine_config):
+    from rlserve.server.app import RlserveServer
+
+    config = replace(engine_config, weight_transfer_backend="rlserve_gloo")
+    srv = RlserveServer(ServeConfig(engine=config, port=0, transfer_timeout_s=10.0))
+    await srv.start()
+    await srv.attach_engine(wt_engine)
+    yield srv
+    await srv.stop(0)
+
+
+@pytest.fixture(scope="module")
+def target(wt_server) -> str:
+    return f"127.0.0.1:{wt_server.port}"
+
+
+@pytest_asyncio.fixture(scope="module")
+async def stubs(target):
+    async with grpc.aio.insecure_channel(target) as ch:
+        yield (
+            control_pb2_grpc.ControlStub(ch),
+            inference_pb2_grpc.InferenceStub(ch),
+            lifecycle_pb2_grpc.LifecycleStub(ch),
+        )
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def running_afterwards(stubs):
+    """Every test leaves no session open and generation running."""
+    yield
+    control, _, lifecycle = stubs
+    await lifecycle.AbortWeightUpdate(lpb.AbortWeightUpdateRequest())
+    state = await lifecycle.GetState(lpb.GetStateRequest())
+    if state.weights_consistent:
+        await control.ResumeGeneration(cpb.ResumeGenerationRequest())
+
+
+def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    weights = load_file(str(model_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    return {n: t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype) for n, t in weights.items()}
+
+
+def save_weights(weights: dict[str, torch.Tensor], path: Path) -> Path:
+    save_file({n: t.contiguous() for n, t in weights.items()}, str(path))
+    return path
+
+
+async def run_trainer(target: str, weights: Path, version: str, *extra: str) -> tuple[int, dict | None, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(TRAINER), "--target", target, "--weights", str(weights), "--version", version, *extra,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    lines = [line for line in out.decode().splitlines() if line.startswith("{")]
+    return proc.returncode, (json.loads(lines[-1]) if lines else None), err.decode()[-2000:]
+
+
+async def greedy(inference, prompt: str = PROMPT, n: int = 24) -> list[int]:
+    r = generate_request(prompt, max_new_tokens=n, ignore_eos=True, temperature=0.0)
+    return list((await inference.Generate(r)).outputs.token_ids)
+
+
+async def reference_outputs(model_dir: Path, weights: dict[str, torch.Tensor], tmp: Path, engine_config) -> list[int]:
+    """Greedy tokens of a fresh engine loaded from a checkpoint of `weights`."""
+    from vllm import SamplingParams
+
+    from rlserve.engine.adapter import EngineAdapter
+
+    ckpt = tmp / "checkpoint"
+    shutil.copytree(model_dir, ckpt)
+    save_weights(weights, ckpt / "model.safetensors")
+    fresh = await asyncio.to_thread(EngineAdapter.start, replace(engine_config, model=str(ckpt)))
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        async for out in fresh.llm.generate(PROMPT, sp, "reference"):
+            last = out
+        return list(last.outputs[0].token_ids)
+    finally:
+        fresh.shutdown()
+
+
+async def checksum(lifecycle) -> str:
+    return (await lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())).overall
+
+
+async def test_sync_equals_a_fresh_engine_on_the_same_weights(target, stubs, tiny_model_dir, tmp_path, engine_config):
+    control, inference, lifecycle = stubs
+    before = await greedy(inference)
+    weights = perturbed(tiny_model_dir, seed=1)
+    rc, stats, err = await run_trainer(target, save_weights(weights, tmp_path / "w.safetensors"), "step-1")
+    assert rc == 0, err
+    assert stats["weight_version"] == "step-1" and stats["num_tensors"] == len(weights)
+    assert stats["num_bytes"] == sum(t.numel() * t.element_size() for t in weights.values())
+    after = await greedy(inference)
+    assert after != before
+    assert after == await reference_outputs(tiny_model_dir, weights, tmp_path, engine_config)
+    served = await lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())
+    assert dict(served.per_tensor) == {n: tensor_checksum(t) for n, t in weights.items()}
+    assert served.overall == combined_checksum({n: tensor_checksum(t) for n, t in weights.items()}) == stats["checksum"]
+    assert (await control.GetWeightVersion(cpb.GetWeightVersionRequest())).weight_version == "step-1"
+
+
+async def test_kept_requests_continue_across_a_sync_with_two_spans(target, stubs, tiny_model_dir, tmp_path):
+    control, inference, _ = stubs
+    old = (await control.GetWeightVersion(cpb.GetWeightVersionRequest())).weight_version
+    calls = [inference.GenerateStream(generate_request(f"Story {i}:", max_new_tokens=200, ignore_eos=True)) for i in range(4)]
+    firsts = await asyncio.gather(*(c.read() for c in calls))
+    # Freeze them now: the trainer process takes seconds to start. Its own KEEP pause is
+    # then a no-op, and its resume lets them continue on the new weights.
+    await control.PauseGeneration(cpb.PauseGenerationRequest(mode=cpb.PAUSE_MODE_KEEP))
+    weights = save_weights(perturbed(tiny_model_dir, seed=2), tmp_path / "w.safetensors")
+    rc, _, err = await run_trainer(target, weights, "step-2", "--pause-mode", "keep")
+    assert rc == 0, err
+    for call, first in zip(calls, firsts):
+        chunks = [first]
+        while (r := await call.read()) != grpc.aio.EOF:
+            chunks.append(r)
+        final = chunks[-1].outputs
+        assert final.finish_info.num_output_tokens == sum(c.outputs.num_tokens for c in chunks) == 200
+        spans = [(s.weight_version, s.start, s.end) for s in final.weight_version_spans]
+        assert [s[0] for s in spans] == [old, "step-2"]
+        assert spans[0][1] == 0 and spans[0][2] == spans[1][1] and spans[1][2] == 200
+        assert 0 < spans[0][2] < 200
+
+
+async def test_no_stale_prefix_cache_after_an_update(target, stubs, tiny_model_dir, tmp_path, engine_config):
+    _, inference, _ = stubs
+    long_prompt = PROMPT * 8  # several KV blocks, cached by the first request
+    first = await greedy(inference, long_prompt)
+    assert await greedy(inference, long_prompt) == first
+    weights = perturbed(tiny_model_dir, seed=3)
+    rc, _, err = await run_trainer(target, save_weights(weights, tmp_path / "w.safetensors"), "step-3")
+    assert rc == 0, err
+    from rlserve.engine.adapter import EngineAdapter  # noqa: F401  (engine already imported)
+
+    # A fresh engine on the new weights is the truth; the cached prefix must not leak in.
+    fresh_first = await reference_for_prompt(tiny_model_dir, weights, tmp_path, engine_config, long_prompt)
+    assert await greedy(inference, long_prompt) == fresh_first != first
+
+
+async def reference_for_prompt(model_dir, weights, tmp, engine_config, prompt) -> list[int]:
+    from vllm import SamplingParams
+
+    from rlserve.engine.adapter import EngineAdapter
+
+    ckpt = tmp / "ref-checkpoint"
+    shutil.copytree(model_dir, ckpt)
+    save_weights(weights, ckpt / "model.safetensors")
+    fresh = await asyncio.to_thread(EngineAdapter.start, replace(engine_config, model=str(ckpt)))
+    try:
+        async for out in fresh.llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), "r"):
+            last = out
+        return list(last.outputs[0].token_ids)
+    finally:
+        fresh.shutdown()
+
+
+async def test_trainer_killed_mid_transfer_leaves_the_old_weights(target, stubs, tiny_model_dir, tmp_path):
+    control, inference, lifecycle = stubs
+    before_tokens, before_sum = await greedy(inference), await checksum(lifecycle)
+    version = (await control.GetWeightVersion(cpb.GetWeightVersionRequest())).weight_version
+    weights = save_weights(perturbed(tiny_model_dir, seed=4), tmp_path / "w.safetensors")
+    rc, _, _ = await run_trainer(
+        target, weights, "never", "--die-after-buckets", "2", "--bucket-bytes", str(2**20), "--timeout-s", "5"
+    )
+    assert rc == 17, "the trainer died as planned"
+    # The server notices the dead peer on its own (its RPC was cancelled with the trainer).
+    watch = lifecycle.WatchState(lpb.WatchStateRequest())
+    while (await asyncio.wait_for(watch.read(), timeout=30)).HasField("update_session"):
+        pass
+    watch.cancel()
+    state = await lifecycle.GetState(lpb.GetStateRequest())
+    assert not state.HasField("update_session") and state.weights_consistent
+    audit = [a for a in state.recent_mutations if a.operation == "update_weights"]
+    assert audit[-1].outcome == "TransferTimeout"
+    await control.ResumeGeneration(cpb.ResumeGenerationRequest())
+    assert await greedy(inference) == before_tokens
+    assert await checksum(lifecycle) == before_sum
+    assert (await control.GetWeightVersion(cpb.GetWeightVersionRequest())).weight_version == version
+    # A new trainer re-initializes the transport and syncs normally.
+    rc, stats, err = await run_trainer(target, weights, "after-crash")
+    assert rc == 0, err and stats["weight_version"] == "after-crash"
+
+
+class HandTrainer:
+    """A gloo member that speaks the protocol by hand (a misbehaving trainer), in threads of
+    this process so the test's event loop keeps serving."""
+
+    def __init__(self, target: str) -> None:
+        self.client = Client(target)
+        self.sync = WeightSync(self.client, timeout_s=5.0)
+        self.pool = ThreadPoolExecutor(2)
+
+    async def init(self) -> None:
+        await asyncio.to_thread(self.sync.init)
+
+    async def send(self, chunk: dict, tensors: list[torch.Tensor] | None, vote: bool = True):
+        """UpdateWeights with `chunk`, voting and sending `tensors` (one bucket) alongside."""
+        rpc = asyncio.get_running_loop().run_in_executor(
+            self.pool, self.client.control.UpdateWeights, cpb.UpdateWeightsRequest(update_info_json=json.dumps(chunk).encode())
+        )
+        if tensors is not None:
+            group: GlooGroup = self.sync._group  # noqa: SLF001 - this double drives the group itself
+            go = await asyncio.to_thread(group.vote, vote)
+            if go:
+                flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+                await asyncio.to_thread(lambda: group.broadcast_async(flat).wait())
+        return await rpc
+
+    def close(self) -> None:
+        self.client.close()
+        self.pool.shutdown()
+
+
+def chunk_of(pairs: list[tuple[str, torch.Tensor]], **override) -> dict:
+    info = ChunkInfo(tuple(TensorMeta(n, "float32", tuple(t.shape), tensor_checksum(t)) for n, t in pairs))
+    return {**info.to_json(), **override}
+
+
+@pytest_asyncio.fixture
+async def paused_session(stubs, target):
+    control, _, _ = stubs
+    trainer = HandTrainer(target)
+    await trainer.init()
+    await control.PauseGeneration(cpb.PauseGenerationRequest(mode=cpb.PAUSE_MODE_KEEP))
+    await control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+    yield trainer
+    trainer.close()
+
+
+async def expect(code, awaitable) -> str:
+    with pytest.raises(grpc.RpcError) as e:  # aio, or the blocking client of a HandTrainer
+        await awaitable
+    assert e.value.code() == code, e.value.details()
+    return e.value.details()
+
+
+def norm_weight(model_dir: Path) -> tuple[str, torch.Tensor]:
+    return "model.norm.weight", load_file(str(model_dir / "model.safetensors"))["model.norm.weight"]
+
+
+async def assert_nothing_changed(stubs, tokens, digest, version):
+    control, inference, lifecycle = stubs
+    state = await lifecycle.GetState(lpb.GetStateRequest())
+    assert not state.HasField("update_session") and state.weights_consistent
+    assert await checksum(lifecycle) == digest
+    assert state.weight_version == version
+    await control.ResumeGeneration(cpb.ResumeGenerationRequest())
+    assert await greedy(inference) == tokens
+
+
+@pytest_asyncio.fixture
+async def baseline(stubs):
+    control, inference, lifecycle = stubs
+    await control.ResumeGeneration(cpb.ResumeGenerationRequest())
+    version = (await control.GetWeightVersion(cpb.GetWeightVersionRequest())).weight_version
+    return await greedy(inference), await checksum(lifecycle), version
+
+
+BAD_CHUNKS = {
+    # name: (chunk builder from a valid (name, tensor), does the worker take part in the vote)
+    "unknown name": (lambda n, t: chunk_of([("model.bogus.weight", t)]), True),
+    "wrong shape": (lambda n, t: chunk_of([(n, t[:-1])]), True),
+    "duplicate name": (lambda n, t: chunk_of([(n, t), (n, t)]), True),
+    "wrong dtype": (lambda n, t: chunk_of([(n, t)], dtype_names=["int8"]), False),
+    "list lengths differ": (lambda n, t: chunk_of([(n, t)], shapes=[]), False),
+    "bad checksum": (lambda n, t: chunk_of([(n, t)], checksums=["0" * 32]), True),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CHUNKS))
+async def test_bad_update_info_is_refused_and_changes_nothing(case, stubs, baseline, paused_session, tiny_model_dir):
+    control, _, lifecycle = stubs
+    name, tensor = norm_weight(tiny_model_dir)
+    build, worker_votes = BAD_CHUNKS[case]
+    chunk = build(name, tensor * 2)
+    tensors = [tensor * 2] * len(chunk["names"]) if worker_votes else None
+    if case == "wrong shape":
+        tensors = [(tensor * 2)[:-1]]
+    await expect(INVALID, paused_session.send(chunk, tensors))
+    await assert_nothing_changed(stubs, *baseline)
+
+
+async def test_bad_json_drops_the_session(stubs, baseline, paused_session):
+    control, _, _ = stubs
+    await expect(INVALID, control.UpdateWeights(cpb.UpdateWeightsRequest(update_info_json=b"{nope")))
+    await expect(PRECONDITION, control.UpdateWeights(cpb.UpdateWeightsRequest(update_info_json=b"{}")))
+    await assert_nothing_changed(stubs, *baseline)
+
+
+async def test_abort_mid_update_keeps_old_weights_and_version(stubs, baseline, paused_session, tiny_model_dir):
+    control, _, lifecycle = stubs
+    name, tensor = norm_weight(tiny_model_dir)
+    await paused_session.send(chunk_of([(name, tensor * 3)]), [tensor * 3])
+    state = await lifecycle.GetState(lpb.GetStateRequest())
+    assert state.update_session.num_chunks == 1 and state.update_session.num_tensors == 1
+    await expect(PRECONDITION, control.ResumeGeneration(cpb.ResumeGenerationRequest()))
+    await lifecycle.AbortWeightUpdate(lpb.AbortWeightUpdateRequest())
+    await assert_nothing_changed(stubs, *baseline)
+
+
+async def test_partial_update_commits_only_what_was_sent(stubs, baseline, paused_session, tiny_model_dir):
+    control, inference, lifecycle = stubs
+    before = dict((await lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())).per_tensor)
+    name, tensor = norm_weight(tiny_model_dir)
+    await paused_session.send(chunk_of([(name, tensor * 3)]), [tensor * 3])
+    await control.FinishWeightUpdate(cpb.FinishWeightUpdateRequest(weight_version="norm-x3"))
+    after = dict((await lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())).per_tensor)
+    assert after[name] == tensor_checksum(tensor * 3)
+    assert {n: d for n, d in after.items() if n != name} == {n: d for n, d in before.items() if n != name}
+    await control.ResumeGeneration(cpb.ResumeGenerationRequest())
+    assert await greedy(inference) != baseline[0], "the new norm weight is live"
+
+
+async def test_wrong_state_rows(stubs, target, baseline):
+    control, _, lifecycle = stubs
+    trainer = HandTrainer(target)
+    try:
+        await trainer.init()
+        details = await expect(PRECONDITION, control.StartWeightUpdate(cpb.StartWeightUpdateRequest()))
+        assert "pause generation before StartWeightUpdate (state: RUNNING)" in details
+        await expect(PRECONDITION, control.FinishWeightUpdate(cpb.FinishWeightUpdateRequest()))
+        await control.PauseGeneration(cpb.PauseGenerationRequest(mode=cpb.PAUSE_MODE_ABORT))
+        await expect(PRECONDITION, control.StartDraftWeightUpdate(cpb.StartDraftWeightUpdateRequest()))
+        await control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+        await expect(grpc.StatusCode.ABORTED, control.StartWeightUpdate(cpb.StartWeightUpdateRequest()))
+        await expect(grpc.StatusCode.ABORTED, control.InitWeightTransferEngine(
+            cpb.InitWeightTransferEngineRequest(init_info_json=b'{"master_address": "127.0.0.1"}')))
+        await expect(INVALID, control.FinishWeightUpdate(cpb.FinishWeightUpdateRequest(weight_version="")))
+        await lifecycle.AbortWeightUpdate(lpb.AbortWeightUpdateRequest())
+        await lifecycle.AbortWeightUpdate(lpb.AbortWeightUpdateRequest())  # idempotent
+    finally:
+        trainer.close()
+    await assert_nothing_changed(stubs, *baseline)
+
+
+async def test_init_deadline_and_bad_init_info_leave_the_transport_as_it_was(stubs, baseline):
+    control, _, lifecycle = stubs
+    ready = (await lifecycle.GetState(lpb.GetStateRequest())).transport_ready
+    await expect(INVALID, control.InitWeightTransferEngine(cpb.InitWeightTransferEngineRequest(init_info_json=b"[]")))
+    await expect(INVALID, control.InitWeightTransferEngine(
+        cpb.InitWeightTransferEngineRequest(init_info_json=b'{"master_address": "127.0.0.1", "world_size": 2}')))
+    nobody = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2, "timeout_s": 2}
+    await expect(grpc.StatusCode.DEADLINE_EXCEEDED, control.InitWeightTransferEngine(
+        cpb.InitWeightTransferEngineRequest(init_info_json=json.dumps(nobody).encode())))
+    assert (await lifecycle.GetState(lpb.GetStateRequest())).transport_ready == ready
+    await assert_nothing_changed(stubs, *baseline)
+
+
+async def test_without_weight_transfer_every_transfer_rpc_fails_closed(control):
+    """The session-wide engine has no weight-transfer backend configured."""
+    lifecycle = None  # noqa: F841
+    for call, req in (
+        (control.InitWeightTransferEngine, cpb.InitWeightTransferEngineRequest(init_info_json=b"{}")),
+        (control.StartWeightUpdate, cpb.StartWeightUpdateRequest()),
+        (control.StartDraftWeightUpdate, cpb.StartDraftWeightUpdateRequest()),
+    ):
+        details = await expect(PRECONDITION, call(req))
+        assert "weight transfer is not configured" in details
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,56 @@
+"""A trainer in its own process, for the weight-transfer tests: loads weights from a
+safetensors file, runs `WeightSync.init()` and `sync()` against a server, prints the stats as
+JSON. With --die-after-buckets N it exits abruptly after sending N buckets, as a trainer that
+crashes mid-transfer would (the only part of this process that is staged)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+from safetensors.torch import load_file
+
+from rlserve.client import Client
+from rlserve.transfer.gloo_group import GlooGroup
+from rlserve.trainer import WeightSync
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--target", required=True)
+    p.add_argument("--weights", required=True)
+    p.add_argument("--version", required=True)
+    p.add_argument("--pause-mode", default="keep")
+    p.add_argument("--bucket-bytes", type=int, default=4 * 2**20)
+    p.add_argument("--timeout-s", type=float, default=10.0)
+    p.add_argument("--die-after-buckets", type=int, default=0)
+    args = p.parse_args()
+    if args.die_after_buckets:
+        _die_after(args.die_after_buckets)
+    with Client(args.target) as client:
+        sync = WeightSync(client, timeout_s=args.timeout_s, bucket_bytes=args.bucket_bytes, chunk_bytes=2**30)
+        sync.init()
+        stats = sync.sync(load_file(args.weights), args.version, pause_mode=args.pause_mode)
+    print(json.dumps(dataclasses.asdict(stats)), flush=True)
+
+
+def _die_after(num_buckets: int) -> None:
+    send = GlooGroup.broadcast_async
+    sent = 0
+
+    def broadcast_then_maybe_die(self, buffer):
+        nonlocal sent
+        if sent == num_buckets:
+            os._exit(17)
+        sent += 1
+        work = send(self, buffer)
+        work.wait()
+        return work
+
+    GlooGroup.broadcast_async = broadcast_then_maybe_die
+
+
+if __name__ == "__main__":
+    main()
