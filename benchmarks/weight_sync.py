@@ -1,0 +1,214 @@
+"""Weight sync, side by side: how fast a trainer gets new weights into a running engine.
+
+In one run, for each model (the tiny test model, and SmolLM2-135M unless --models says
+otherwise), the same tensors move through four paths:
+- floor:      a raw gloo broadcast of the same bytes, same buckets, between two processes;
+- rlserve:    WeightSync.sync() against `rlserve serve --weight-transfer-backend rlserve_gloo`
+              (pause -> start -> chunks -> finish -> resume, checksums verified);
+- checkpoint: the trainer saves safetensors, the engine reloads them through vLLM
+              (`collective_rpc("reload_weights")`), as many RL frameworks do;
+- per_tensor: rlserve's protocol with one UpdateWeights RPC and one broadcast per tensor.
+Each path is warmed up once, then timed --repeats times (median). The last stdout line is
+one JSON object with seconds per path and the ratios the targets are stated in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import child_env, free_port, median, stop_tree, tail  # noqa: E402
+
+from rlserve.client import Client  # noqa: E402
+from rlserve.transfer.gloo_group import GlooGroup  # noqa: E402
+from rlserve.transfer.protocol import ChunkInfo, TensorMeta, plan_buckets  # noqa: E402
+from rlserve.trainer import WeightSync  # noqa: E402
+
+BUCKET_BYTES = 64 * 2**20
+
+
+def log(msg: str) -> None:
+    print(f"[weight_sync] {msg}", file=sys.stderr, flush=True)
+
+
+def model_dirs(names: list[str], work: Path) -> dict[str, Path]:
+    out = {}
+    if "tiny" in names:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from tiny_model import make_tiny_model
+
+        tiny = work / "tiny"
+        out["tiny"] = tiny if (tiny / "model.safetensors").exists() else make_tiny_model(tiny)
+    if "smollm2" in names:
+        from rlserve.model_cache import default_model_dir
+
+        out["smollm2"] = default_model_dir()
+    return out
+
+
+def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    weights = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    g = torch.Generator().manual_seed(seed)
+    return {n: (t.float() + 0.01 * torch.randn(t.shape, generator=g)).to(t.dtype) for n, t in weights.items()}
+
+
+def nbytes(weights: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+# --- floor: a raw broadcast of the same buckets --------------------------------------------
+
+def _receiver(port: int, sizes: list[int], rounds: int) -> None:
+    group = GlooGroup.join("127.0.0.1", port, 1, 2, 60.0)
+    for _ in range(rounds):
+        works = [group.broadcast_async(torch.empty(n, dtype=torch.uint8)) for n in sizes]
+        for w in works:
+            w.wait()
+
+
+def floor_seconds(weights: dict[str, torch.Tensor], repeats: int) -> float:
+    metas = [TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), "") for n, t in weights.items()]
+    sizes = [b.num_bytes for b in plan_buckets(metas, BUCKET_BYTES)]
+    buffers = [torch.ones(n, dtype=torch.uint8) for n in sizes]
+    store = GlooGroup.host_store("127.0.0.1", 0, 2, 60.0)
+    proc = mp.get_context("spawn").Process(target=_receiver, args=(store.port, sizes, repeats + 1))
+    proc.start()
+    group = GlooGroup(store, 0, 2, 60.0)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        for w in [group.broadcast_async(b) for b in buffers]:
+            w.wait()
+        times.append(time.perf_counter() - t0)
+    proc.join()
+    return median(times[1:])
+
+
+# --- rlserve and per-tensor: the SDK against a real server ----------------------------------
+
+def serve(model_dir: Path, work: Path, backend: bool = True) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "rlserve", "serve", "--model", str(model_dir), "--port", str(port),
+           "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", "0.5"]
+    if backend:
+        cmd += ["--weight-transfer-backend", "rlserve_gloo"]
+    log_file = (work / f"server-{port}.log").open("wb")
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=log_file, env=child_env(), start_new_session=True)
+    target = f"127.0.0.1:{port}"
+    with Client(target) as c:
+        deadline = time.time() + 600
+        while True:  # health turns SERVING once the engine is up (bounded by the deadline)
+            try:
+                c.server_info()
+                break
+            except Exception:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"server did not start:\n{tail(work / f'server-{port}.log')}")
+                time.sleep(1)
+    return proc, target
+
+
+def sdk_seconds(target: str, weights: dict[str, torch.Tensor], repeats: int, per_tensor: bool) -> dict[str, float]:
+    with Client(target) as client:
+        size = 1 if per_tensor else BUCKET_BYTES
+        sync = WeightSync(client, bucket_bytes=size, chunk_bytes=size if per_tensor else 2**30)
+        sync.init()
+        runs = [sync.sync(weights, f"v{i}") for i in range(repeats + 1)][1:]
+        sync.close()
+    return {
+        "transfer_s": median([r.transfer_s for r in runs]),
+        "pause_to_resume_s": median([r.pause_to_resume_s for r in runs]),
+        "num_chunks": runs[0].num_chunks,
+    }
+
+
+# --- checkpoint: save safetensors, vLLM reloads them ----------------------------------------
+
+def _checkpoint_engine(model_dir: str, conn) -> None:
+    import asyncio
+
+    from rlserve.config import EngineConfig
+    from rlserve.engine.adapter import EngineAdapter
+
+    async def main() -> None:
+        cfg = EngineConfig(model=model_dir, dtype="float32", max_model_len=512, enforce_eager=True, kv_cache_gib=0.5)
+        engine = EngineAdapter.start(cfg)
+        conn.send("ready")
+        while (path := conn.recv()) is not None:
+            t0 = time.perf_counter()
+            await engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+            conn.send(time.perf_counter() - t0)
+        engine.shutdown()
+
+    asyncio.run(main())
+
+
+def checkpoint_seconds(model_dir: Path, weights: dict[str, torch.Tensor], repeats: int, work: Path) -> dict[str, float]:
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_checkpoint_engine, args=(str(model_dir), child))
+    proc.start()
+    assert parent.recv() == "ready"
+    totals, saves = [], []
+    for i in range(repeats + 1):
+        ckpt = Path(tempfile.mkdtemp(dir=work, prefix="ckpt-"))
+        for f in model_dir.iterdir():  # config and tokenizer travel with the weights
+            if f.suffix != ".safetensors":
+                (ckpt / f.name).write_bytes(f.read_bytes())
+        t0 = time.perf_counter()
+        save_file({n: t.contiguous() for n, t in weights.items()}, str(ckpt / "model.safetensors"))
+        saves.append(time.perf_counter() - t0)
+        parent.send(str(ckpt))
+        parent.recv()
+        totals.append(time.perf_counter() - t0)
+    parent.send(None)
+    proc.join()
+    return {"total_s": median(totals[1:]), "save_s": median(saves[1:])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--models", default="tiny,smollm2")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "rlserve-bench")
+    args = p.parse_args()
+    work = args.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    result: dict[str, dict] = {}
+    for name, model_dir in model_dirs(args.models.split(","), work).items():
+        weights = perturbed(model_dir, seed=1)
+        r: dict[str, object] = {"num_tensors": len(weights), "num_bytes": nbytes(weights)}
+        log(f"{name}: {len(weights)} tensors, {nbytes(weights) / 1e6:.1f} MB")
+        r["floor_s"] = floor_seconds(weights, args.repeats)
+        proc, target = serve(model_dir, work)
+        try:
+            r["rlserve"] = sdk_seconds(target, weights, args.repeats, per_tensor=False)
+            r["per_tensor"] = sdk_seconds(target, weights, max(1, args.repeats // 3), per_tensor=True)
+        finally:
+            stop_tree(proc.pid)
+        r["checkpoint"] = checkpoint_seconds(model_dir, weights, args.repeats, work)
+        rl = r["rlserve"]["transfer_s"]  # type: ignore[index]
+        r["ratios"] = {
+            "rlserve_over_floor": rl / r["floor_s"],  # target <= 1.25
+            "checkpoint_over_rlserve": r["checkpoint"]["total_s"] / rl,  # type: ignore[index]  target >= 3
+            "per_tensor_over_rlserve": r["per_tensor"]["transfer_s"] / rl,  # type: ignore[index]  target >= 5
+            "pause_to_resume_over_transfer": r["rlserve"]["pause_to_resume_s"] / rl,  # type: ignore[index]  <= 1.1
+        }
+        result[name] = r
+        log(json.dumps({name: r}))
+    print(json.dumps({"benchmark": "weight_sync", "bucket_bytes": BUCKET_BYTES, "models": result}))
+
+
+if __name__ == "__main__":
+    main()
