@@ -31,7 +31,7 @@ from _common import child_env, free_port, median, stop_tree, tail  # noqa: E402
 
 from rlserve.client import Client  # noqa: E402
 from rlserve.transfer.gloo_group import GlooGroup  # noqa: E402
-from rlserve.transfer.protocol import ChunkInfo, TensorMeta, plan_buckets  # noqa: E402
+from rlserve.transfer.protocol import TensorMeta, plan_buckets  # noqa: E402
 from rlserve.trainer import WeightSync  # noqa: E402
 
 BUCKET_BYTES = 64 * 2**20

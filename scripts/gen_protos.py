@@ -19,9 +19,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 API = SRC / "rlserve" / "api"
 WELL_KNOWN_TYPES = Path(grpc_tools.__file__).parent / "_proto"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
-API_DOCSTRING = (
-    '"""Generated gRPC stubs: do not edit. Regenerate with scripts/gen_protos.py."""\n'
-)
+API_DOCSTRING = '"""Generated gRPC stubs: do not edit. Regenerate with scripts/gen_protos.py."""\n'
 PACKAGE_INITS = {
     "rlserve/api/__init__.py": API_DOCSTRING,
     "rlserve/api/vllm/__init__.py": "",
@@ -52,8 +50,7 @@ def generate(out_root: Path) -> None:
 def generated_files(root: Path) -> set[str]:
     """Paths (relative to root) of the files this script owns under root/rlserve/api."""
     api = root / "rlserve" / "api"
-    found = {str(p.relative_to(root)) for p in api.rglob("*")
-             if p.name.endswith(GENERATED_SUFFIXES)}
+    found = {str(p.relative_to(root)) for p in api.rglob("*") if p.name.endswith(GENERATED_SUFFIXES)}
     return found | {rel for rel in PACKAGE_INITS if (root / rel).exists()}
 
 
@@ -63,8 +60,9 @@ def check() -> int:
         fresh = Path(tmp)
         generate(fresh)
         expected, committed = generated_files(fresh), generated_files(SRC)
-        drift = sorted(rel for rel in expected if rel not in committed
-                       or (SRC / rel).read_bytes() != (fresh / rel).read_bytes())
+        drift = sorted(
+            rel for rel in expected if rel not in committed or (SRC / rel).read_bytes() != (fresh / rel).read_bytes()
+        )
         drift += sorted(f"{rel} (stale: no .proto generates it)" for rel in committed - expected)
     for rel in drift:
         print(f"out of date: src/{rel}", file=sys.stderr)

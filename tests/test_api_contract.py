@@ -27,58 +27,92 @@ STRUCT = "google.protobuf.Struct"
 # explicit presence. Types are scalar names, message/enum full names or "map<K, V>".
 MESSAGES: dict[str, dict[str, tuple[int, str]]] = {
     "vllm.GenerateRequest": {
-        "request_id": (1, "string"), "model": (2, "string"), "text": (3, "string"),
-        "token_ids": (4, "vllm.TokenIds"), "temperature": (5, "optional float"),
-        "sampling": (6, "vllm.RandomSampling"), "decoding": (7, "vllm.DecodingParameters"),
-        "stopping": (8, "vllm.StoppingCriteria"), "response": (9, "vllm.ResponseOptions"),
-        "kv": (10, "vllm.KVCacheParameters"), "truncate_prompt_tokens": (11, "uint32"),
-        "priority": (12, "int32"), "session_id": (13, "optional string"),
-        "media": (14, "repeated vllm.MediaItem"), "lora_name": (15, "string"),
+        "request_id": (1, "string"),
+        "model": (2, "string"),
+        "text": (3, "string"),
+        "token_ids": (4, "vllm.TokenIds"),
+        "temperature": (5, "optional float"),
+        "sampling": (6, "vllm.RandomSampling"),
+        "decoding": (7, "vllm.DecodingParameters"),
+        "stopping": (8, "vllm.StoppingCriteria"),
+        "response": (9, "vllm.ResponseOptions"),
+        "kv": (10, "vllm.KVCacheParameters"),
+        "truncate_prompt_tokens": (11, "uint32"),
+        "priority": (12, "int32"),
+        "session_id": (13, "optional string"),
+        "media": (14, "repeated vllm.MediaItem"),
+        "lora_name": (15, "string"),
         "native_sampling_params_json": (16, "bytes"),
     },
     "vllm.TokenIds": {"ids": (1, "repeated uint32")},
     "vllm.RandomSampling": {
-        "num_sequences": (1, "uint32"), "top_k": (2, "uint32"), "top_p": (3, "float"),
-        "min_p": (4, "float"), "seed": (5, "optional int64"),
+        "num_sequences": (1, "uint32"),
+        "top_k": (2, "uint32"),
+        "top_p": (3, "float"),
+        "min_p": (4, "float"),
+        "seed": (5, "optional int64"),
     },
     "vllm.DecodingParameters": {
-        "presence_penalty": (1, "float"), "frequency_penalty": (2, "float"),
-        "repetition_penalty": (3, "float"), "logit_bias": (4, "map<uint32, float>"),
-        "allowed_token_ids": (5, "repeated uint32"), "json": (6, "string"),
-        "regex": (7, "string"), "choice": (8, "vllm.DecodingParameters.StringChoices"),
-        "grammar": (9, "string"), "json_object": (10, "bool"), "structural_tag": (11, "string"),
+        "presence_penalty": (1, "float"),
+        "frequency_penalty": (2, "float"),
+        "repetition_penalty": (3, "float"),
+        "logit_bias": (4, "map<uint32, float>"),
+        "allowed_token_ids": (5, "repeated uint32"),
+        "json": (6, "string"),
+        "regex": (7, "string"),
+        "choice": (8, "vllm.DecodingParameters.StringChoices"),
+        "grammar": (9, "string"),
+        "json_object": (10, "bool"),
+        "structural_tag": (11, "string"),
     },
     "vllm.DecodingParameters.StringChoices": {"choices": (1, "repeated string")},
     "vllm.StoppingCriteria": {
-        "max_new_tokens": (1, "uint32"), "min_new_tokens": (2, "uint32"),
-        "stop_token_ids": (3, "repeated uint32"), "stop_strings": (4, "repeated string"),
-        "include_stop_strings": (5, "bool"), "ignore_eos": (6, "bool"),
+        "max_new_tokens": (1, "uint32"),
+        "min_new_tokens": (2, "uint32"),
+        "stop_token_ids": (3, "repeated uint32"),
+        "stop_strings": (4, "repeated string"),
+        "include_stop_strings": (5, "bool"),
+        "ignore_eos": (6, "bool"),
     },
     "vllm.ResponseOptions": {
-        "prompt_token_ids": (1, "bool"), "prompt_logprobs": (2, "bool"),
+        "prompt_token_ids": (1, "bool"),
+        "prompt_logprobs": (2, "bool"),
         "prompt_candidates": (3, "optional vllm.CandidateTokens"),
-        "output_text": (4, "optional bool"), "output_token_ids": (5, "bool"),
-        "output_logprobs": (6, "bool"), "output_candidates": (7, "optional vllm.CandidateTokens"),
+        "output_text": (4, "optional bool"),
+        "output_token_ids": (5, "bool"),
+        "output_logprobs": (6, "bool"),
+        "output_candidates": (7, "optional vllm.CandidateTokens"),
         "skip_special_tokens": (8, "optional bool"),
     },
     "vllm.KVCacheParameters": {
-        "bypass_prefix_cache": (1, "bool"), "cache_salt": (2, "string"),
-        "kv_transfer_params": (3, STRUCT), "ec_transfer_params": (4, STRUCT),
+        "bypass_prefix_cache": (1, "bool"),
+        "cache_salt": (2, "string"),
+        "kv_transfer_params": (3, STRUCT),
+        "ec_transfer_params": (4, STRUCT),
     },
     "vllm.CandidateTokens": {
-        "top_n": (1, "uint32"), "token_ids": (2, "vllm.TokenIds"), "all": (3, "bool"),
+        "top_n": (1, "uint32"),
+        "token_ids": (2, "vllm.TokenIds"),
+        "all": (3, "bool"),
     },
     "vllm.MediaItem": {
-        "modality": (1, "vllm.MediaItem.Modality"), "url": (2, "string"),
-        "data_uri": (3, "string"), "raw_bytes": (4, "bytes"), "mime_type": (5, "string"),
+        "modality": (1, "vllm.MediaItem.Modality"),
+        "url": (2, "string"),
+        "data_uri": (3, "string"),
+        "raw_bytes": (4, "bytes"),
+        "mime_type": (5, "string"),
         "uuid": (6, "string"),
     },
     "vllm.GenerateResponse": {
-        "prompt_info": (1, "optional vllm.PromptInfo"), "outputs": (2, "vllm.SequenceOutput"),
+        "prompt_info": (1, "optional vllm.PromptInfo"),
+        "outputs": (2, "vllm.SequenceOutput"),
     },
     "vllm.SequenceOutput": {
-        "index": (1, "uint32"), "text": (2, "string"), "num_tokens": (3, "uint32"),
-        "token_ids": (4, "repeated uint32"), "logprobs": (5, "repeated float"),
+        "index": (1, "uint32"),
+        "text": (2, "string"),
+        "num_tokens": (3, "uint32"),
+        "token_ids": (4, "repeated uint32"),
+        "logprobs": (5, "repeated float"),
         "ranks": (6, "repeated uint32"),
         "candidate_tokens": (7, "repeated vllm.CandidateTokenInfo"),
         "finish_info": (8, "optional vllm.FinishInfo"),
@@ -86,58 +120,86 @@ MESSAGES: dict[str, dict[str, tuple[int, str]]] = {
         "weight_version_spans": (1000, "repeated rlserve.v1.WeightVersionSpan"),
     },
     "vllm.PromptInfo": {
-        "num_prompt_tokens": (1, "uint32"), "token_ids": (2, "repeated uint32"),
-        "logprobs": (3, "repeated float"), "ranks": (4, "repeated uint32"),
+        "num_prompt_tokens": (1, "uint32"),
+        "token_ids": (2, "repeated uint32"),
+        "logprobs": (3, "repeated float"),
+        "ranks": (4, "repeated uint32"),
         "candidate_tokens": (5, "repeated vllm.CandidateTokenInfo"),
     },
     "vllm.FinishInfo": {
-        "num_output_tokens": (1, "uint32"), "finish_reason": (2, "vllm.FinishInfo.FinishReason"),
-        "stop_token_id": (3, "uint32"), "eos_token_id": (4, "uint32"),
-        "stop_string": (5, "string"), "kv_transfer_params": (6, STRUCT),
+        "num_output_tokens": (1, "uint32"),
+        "finish_reason": (2, "vllm.FinishInfo.FinishReason"),
+        "stop_token_id": (3, "uint32"),
+        "eos_token_id": (4, "uint32"),
+        "stop_string": (5, "string"),
+        "kv_transfer_params": (6, STRUCT),
         "ec_transfer_params": (8, STRUCT),
     },
     "vllm.CandidateTokenInfo": {"tokens": (1, "repeated vllm.CandidateTokenInfo.TokenInfo")},
     "vllm.CandidateTokenInfo.TokenInfo": {
-        "id": (1, "uint32"), "logprob": (2, "float"), "rank": (3, "uint32"),
+        "id": (1, "uint32"),
+        "logprob": (2, "float"),
+        "rank": (3, "uint32"),
     },
     # Control.
     "vllm.GetServerInfoRequest": {},
     "vllm.ServerInfo": {
-        "engine_version": (1, "string"), "api_version": (2, "string"),
-        "instance_id": (3, "string"), "parallelism": (4, "vllm.ParallelismInfo"),
-        "max_model_len": (5, "uint32"), "kv_block_size": (6, "uint32"),
-        "total_kv_blocks": (7, "uint64"), "max_running_requests": (8, "uint64"),
-        "max_batched_tokens": (9, "uint64"), "rl_capabilities": (11, "vllm.RlCapabilities"),
+        "engine_version": (1, "string"),
+        "api_version": (2, "string"),
+        "instance_id": (3, "string"),
+        "parallelism": (4, "vllm.ParallelismInfo"),
+        "max_model_len": (5, "uint32"),
+        "kv_block_size": (6, "uint32"),
+        "total_kv_blocks": (7, "uint64"),
+        "max_running_requests": (8, "uint64"),
+        "max_batched_tokens": (9, "uint64"),
+        "rl_capabilities": (11, "vllm.RlCapabilities"),
     },
     "vllm.RlCapabilities": {
-        "weight_transfer_enabled": (1, "bool"), "weight_transfer_backend": (2, "string"),
-        "sleep_mode_enabled": (3, "bool"), "draft_weight_updates_enabled": (4, "bool"),
+        "weight_transfer_enabled": (1, "bool"),
+        "weight_transfer_backend": (2, "string"),
+        "sleep_mode_enabled": (3, "bool"),
+        "draft_weight_updates_enabled": (4, "bool"),
     },
     "vllm.ParallelismInfo": {
-        "tensor_parallel_size": (1, "uint32"), "pipeline_parallel_size": (2, "uint32"),
-        "data_parallel_size": (3, "uint32"), "data_parallel_rank": (4, "uint32"),
-        "decode_context_parallel_size": (5, "uint32"), "world_size": (6, "uint64"),
+        "tensor_parallel_size": (1, "uint32"),
+        "pipeline_parallel_size": (2, "uint32"),
+        "data_parallel_size": (3, "uint32"),
+        "data_parallel_rank": (4, "uint32"),
+        "decode_context_parallel_size": (5, "uint32"),
+        "world_size": (6, "uint64"),
         "data_parallel_size_local": (7, "optional uint32"),
     },
     "vllm.GetModelInfoRequest": {},
     "vllm.ModelInfo": {
-        "model_id": (1, "string"), "served_model_name": (2, "string"),
-        "served_model_aliases": (3, "repeated string"), "supports_text_input": (20, "bool"),
-        "supports_token_ids_input": (21, "bool"), "supports_multimodal": (23, "bool"),
-        "reasoning_parser": (24, "string"), "tool_call_parser": (25, "string"),
+        "model_id": (1, "string"),
+        "served_model_name": (2, "string"),
+        "served_model_aliases": (3, "repeated string"),
+        "supports_text_input": (20, "bool"),
+        "supports_token_ids_input": (21, "bool"),
+        "supports_multimodal": (23, "bool"),
+        "reasoning_parser": (24, "string"),
+        "tool_call_parser": (25, "string"),
     },
     "vllm.AbortRequest": {"request_ids": (1, "repeated string")},
     "vllm.AbortResponse": {},
     "vllm.GetKvEventSourcesRequest": {},
     "vllm.GetKvEventSourcesResponse": {"sources": (1, "repeated vllm.KvEventSource")},
     "vllm.KvEventSource": {
-        "transport": (1, "string"), "endpoint": (2, "string"), "topic": (3, "string"),
-        "replay_endpoint": (4, "string"), "data_parallel_rank": (5, "optional uint32"),
-        "encoding": (6, "string"), "schema_version": (7, "uint32"),
-        "buffer_steps": (8, "uint32"), "hwm": (9, "uint32"), "max_queue_size": (10, "uint32"),
+        "transport": (1, "string"),
+        "endpoint": (2, "string"),
+        "topic": (3, "string"),
+        "replay_endpoint": (4, "string"),
+        "data_parallel_rank": (5, "optional uint32"),
+        "encoding": (6, "string"),
+        "schema_version": (7, "uint32"),
+        "buffer_steps": (8, "uint32"),
+        "hwm": (9, "uint32"),
+        "max_queue_size": (10, "uint32"),
     },
     "vllm.PauseGenerationRequest": {
-        "mode": (1, "vllm.PauseMode"), "clear_cache": (2, "optional bool"),
+        "mode": (1, "vllm.PauseMode"),
+        "clear_cache": (2, "optional bool"),
     },
     "vllm.PauseGenerationResponse": {},
     "vllm.ResumeGenerationRequest": {},
@@ -166,15 +228,18 @@ MESSAGES: dict[str, dict[str, tuple[int, str]]] = {
     "vllm.GetWeightVersionResponse": {"weight_version": (1, "string")},
     # rlserve's own package.
     "rlserve.v1.WeightVersionSpan": {
-        "weight_version": (1, "string"), "start": (2, "uint32"), "end": (3, "uint32"),
+        "weight_version": (1, "string"),
+        "start": (2, "uint32"),
+        "end": (3, "uint32"),
     },
 }
 
 # message -> {real (non-synthetic) oneof: fields}
 ONEOFS = {
     "vllm.GenerateRequest": {"prompt": {"text", "token_ids"}},
-    "vllm.DecodingParameters": {"structured_output": {
-        "json", "regex", "choice", "grammar", "json_object", "structural_tag"}},
+    "vllm.DecodingParameters": {
+        "structured_output": {"json", "regex", "choice", "grammar", "json_object", "structural_tag"}
+    },
     "vllm.CandidateTokens": {"select": {"top_n", "token_ids", "all"}},
     "vllm.MediaItem": {"source": {"url", "data_uri", "raw_bytes"}},
     "vllm.FinishInfo": {"stop_reason": {"stop_token_id", "eos_token_id", "stop_string"}},
@@ -182,11 +247,13 @@ ONEOFS = {
 
 ENUMS = {
     "vllm.MediaItem.Modality": {
-        "MODALITY_UNSPECIFIED": 0, "MODALITY_IMAGE": 1, "MODALITY_VIDEO": 2, "MODALITY_AUDIO": 3},
+        "MODALITY_UNSPECIFIED": 0,
+        "MODALITY_IMAGE": 1,
+        "MODALITY_VIDEO": 2,
+        "MODALITY_AUDIO": 3,
+    },
     "vllm.FinishInfo.FinishReason": {"NOT_FINISHED": 0, "LENGTH": 1, "STOP": 2, "ABORTED": 3},
-    "vllm.PauseMode": {
-        "PAUSE_MODE_UNSPECIFIED": 0, "PAUSE_MODE_ABORT": 1, "PAUSE_MODE_WAIT": 2,
-        "PAUSE_MODE_KEEP": 3},
+    "vllm.PauseMode": {"PAUSE_MODE_UNSPECIFIED": 0, "PAUSE_MODE_ABORT": 1, "PAUSE_MODE_WAIT": 2, "PAUSE_MODE_KEEP": 3},
 }
 
 RESERVED = {"vllm.ServerInfo": {10}, "vllm.FinishInfo": {7}}
@@ -196,10 +263,24 @@ _CONTROL_UNARY = [
     ("GetModelInfo", "GetModelInfoRequest", "ModelInfo"),
     ("Abort", "AbortRequest", "AbortResponse"),
     ("GetKvEventSources", "GetKvEventSourcesRequest", "GetKvEventSourcesResponse"),
-] + [(rpc, f"{rpc}Request", f"{rpc}Response") for rpc in (
-    "PauseGeneration", "ResumeGeneration", "IsPaused", "Sleep", "WakeUp", "IsSleeping",
-    "InitWeightTransferEngine", "StartWeightUpdate", "StartDraftWeightUpdate", "UpdateWeights",
-    "FinishWeightUpdate", "UpdateWeightVersion", "GetWeightVersion")]
+] + [
+    (rpc, f"{rpc}Request", f"{rpc}Response")
+    for rpc in (
+        "PauseGeneration",
+        "ResumeGeneration",
+        "IsPaused",
+        "Sleep",
+        "WakeUp",
+        "IsSleeping",
+        "InitWeightTransferEngine",
+        "StartWeightUpdate",
+        "StartDraftWeightUpdate",
+        "UpdateWeights",
+        "FinishWeightUpdate",
+        "UpdateWeightVersion",
+        "GetWeightVersion",
+    )
+]
 
 # service -> {rpc: (request, response, server_streaming)}
 SERVICES = {
@@ -207,14 +288,15 @@ SERVICES = {
         "Generate": ("vllm.GenerateRequest", "vllm.GenerateResponse", False),
         "GenerateStream": ("vllm.GenerateRequest", "vllm.GenerateResponse", True),
     },
-    "vllm.Control": {rpc: (f"vllm.{req}", f"vllm.{resp}", False)
-                     for rpc, req, resp in _CONTROL_UNARY},
+    "vllm.Control": {rpc: (f"vllm.{req}", f"vllm.{resp}", False) for rpc, req, resp in _CONTROL_UNARY},
 }
 
 FILES = [inference_pb2.DESCRIPTOR, control_pb2.DESCRIPTOR, rlserve_pb2.DESCRIPTOR]
-_SCALARS = {getattr(FD, name): name[len("TYPE_"):].lower()
-            for name in dir(FD) if name.startswith("TYPE_") and name not in
-            ("TYPE_MESSAGE", "TYPE_ENUM", "TYPE_GROUP")}
+_SCALARS = {
+    getattr(FD, name): name[len("TYPE_") :].lower()
+    for name in dir(FD)
+    if name.startswith("TYPE_") and name not in ("TYPE_MESSAGE", "TYPE_ENUM", "TYPE_GROUP")
+}
 
 
 def _is_synthetic(field: _descriptor.FieldDescriptor) -> bool:
@@ -257,7 +339,10 @@ def _all_enums() -> dict[str, _descriptor.EnumDescriptor]:
 def test_generated_stubs_match_protos() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--check"],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -282,8 +367,7 @@ def test_fields_match_contract(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(MESSAGES))
 def test_oneofs_match_contract(name: str) -> None:
     message = _all_messages()[name]
-    real = {o.name: {f.name for f in o.fields} for o in message.oneofs
-            if not all(_is_synthetic(f) for f in o.fields)}
+    real = {o.name: {f.name for f in o.fields} for o in message.oneofs if not all(_is_synthetic(f) for f in o.fields)}
     assert real == ONEOFS.get(name, {})
 
 

@@ -100,7 +100,9 @@ async def test_num_sequences_streams_every_sequence_to_its_end(inference):
     r.sampling.num_sequences = 3
     r.sampling.seed = 3
     chunks = await stream(inference, r)
-    finished = {c.outputs.index: c.outputs.finish_info.num_output_tokens for c in chunks if c.outputs.HasField("finish_info")}
+    finished = {
+        c.outputs.index: c.outputs.finish_info.num_output_tokens for c in chunks if c.outputs.HasField("finish_info")
+    }
     assert finished == {0: 8, 1: 8, 2: 8}
     per_seq = {i: [t for c in chunks if c.outputs.index == i for t in c.outputs.token_ids] for i in range(3)}
     assert len({tuple(v) for v in per_seq.values()}) > 1
@@ -141,7 +143,12 @@ async def test_structured_regex(inference):
 
 
 async def test_structured_json_schema(inference):
-    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "boolean"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
     r = req(max_new_tokens=64, ignore_eos=False)
     r.decoding.json = json.dumps(schema)
     # A random model pads JSON with whitespace until max tokens; the structure must still hold.
@@ -272,8 +279,16 @@ REFUSED = [
     ("ec transfer params", lambda r: r.kv.ec_transfer_params.update({"a": 1}), "ec_transfer_params"),
     ("prompt candidates by id", lambda r: r.response.prompt_candidates.token_ids.ids.append(1), "prompt_candidates"),
     ("bad native json", lambda r: setattr(r, "native_sampling_params_json", b"{nope"), "native_sampling_params_json"),
-    ("native json not object", lambda r: setattr(r, "native_sampling_params_json", b"[1]"), "native_sampling_params_json"),
-    ("native unknown key", lambda r: setattr(r, "native_sampling_params_json", b'{"bogus": 1}'), "native_sampling_params_json"),
+    (
+        "native json not object",
+        lambda r: setattr(r, "native_sampling_params_json", b"[1]"),
+        "native_sampling_params_json",
+    ),
+    (
+        "native unknown key",
+        lambda r: setattr(r, "native_sampling_params_json", b'{"bogus": 1}'),
+        "native_sampling_params_json",
+    ),
     ("bad json schema", lambda r: setattr(r.decoding, "json", "{not json"), "decoding.json"),
     ("empty choice", lambda r: r.decoding.choice.SetInParent(), "decoding.choice"),
     ("priority without priority scheduling", lambda r: setattr(r, "priority", 5), "priority"),

@@ -320,6 +320,21 @@ MATRIX = [
     ("version_get", lambda c: c.GetWeightVersion(cpb.GetWeightVersionRequest()), OK, "same"),
     ("server_info", lambda c: c.GetServerInfo(cpb.GetServerInfoRequest()), OK, "same"),
     ("abort_unknown", lambda c: c.Abort(cpb.AbortRequest(request_ids=["nope"])), OK, "same"),
+    # This engine has no weight-transfer backend: every transfer RPC fails closed.
+    (
+        "init_transfer",
+        lambda c: c.InitWeightTransferEngine(cpb.InitWeightTransferEngineRequest(init_info_json=b"{}")),
+        PRECONDITION,
+        "same",
+    ),
+    ("start_update", lambda c: c.StartWeightUpdate(cpb.StartWeightUpdateRequest()), PRECONDITION, "same"),
+    (
+        "update_no_session",
+        lambda c: c.UpdateWeights(cpb.UpdateWeightsRequest(update_info_json=b"{}")),
+        PRECONDITION,
+        "same",
+    ),
+    ("finish_no_session", lambda c: c.FinishWeightUpdate(cpb.FinishWeightUpdateRequest()), PRECONDITION, "same"),
 ]
 
 

@@ -18,8 +18,9 @@ from rlserve.server.app import RlserveServer
 
 
 def long_request(request_id: str = "", max_new_tokens: int = 400) -> pb.GenerateRequest:
-    return generate_request("Tell me a long story", max_new_tokens=max_new_tokens, ignore_eos=True,
-                            temperature=0.0, request_id=request_id)
+    return generate_request(
+        "Tell me a long story", max_new_tokens=max_new_tokens, ignore_eos=True, temperature=0.0, request_id=request_id
+    )
 
 
 async def test_32_concurrent_streams_all_end_with_a_terminal_message(engine, inference):
@@ -90,12 +91,6 @@ async def test_model_info_and_kv_event_sources(control, engine_config):
 async def test_model_alias_is_accepted(inference, engine_config):
     r = generate_request("hi", max_new_tokens=2, model=engine_config.model)
     assert (await inference.Generate(r)).outputs.finish_info.num_output_tokens >= 1
-
-
-async def test_weight_transfer_rpcs_are_unimplemented_for_now(control):
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
-    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 async def test_health_not_serving_then_serving_then_not_serving(engine, engine_config):

@@ -26,7 +26,7 @@ from rlserve.client import Client, generate_request
 from rlserve.config import EngineConfig, ServeConfig
 from rlserve.transfer.gloo_group import GlooGroup
 from rlserve.transfer.protocol import ChunkInfo, TensorMeta, combined_checksum, tensor_checksum
-from rlserve.trainer import WeightSync, WeightSyncError
+from rlserve.trainer import WeightSync
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 TRAINER = Path(__file__).with_name("trainer_process.py")
@@ -94,8 +94,17 @@ def save_weights(weights: dict[str, torch.Tensor], path: Path) -> Path:
 
 async def run_trainer(target: str, weights: Path, version: str, *extra: str) -> tuple[int, dict | None, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(TRAINER), "--target", target, "--weights", str(weights), "--version", version, *extra,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        str(TRAINER),
+        "--target",
+        target,
+        "--weights",
+        str(weights),
+        "--version",
+        version,
+        *extra,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
     lines = [line for line in out.decode().splitlines() if line.startswith("{")]
@@ -150,7 +159,9 @@ async def test_sync_equals_a_fresh_engine_on_the_same_weights(target, stubs, tin
 async def test_kept_requests_continue_across_a_sync_with_two_spans(target, stubs, tiny_model_dir, tmp_path):
     control, inference, _ = stubs
     old = (await control.GetWeightVersion(cpb.GetWeightVersionRequest())).weight_version
-    calls = [inference.GenerateStream(generate_request(f"Story {i}:", max_new_tokens=200, ignore_eos=True)) for i in range(4)]
+    calls = [
+        inference.GenerateStream(generate_request(f"Story {i}:", max_new_tokens=200, ignore_eos=True)) for i in range(4)
+    ]
     firsts = await asyncio.gather(*(c.read() for c in calls))
     # Freeze them now: the trainer process takes seconds to start. Its own KEEP pause is
     # then a no-op, and its resume lets them continue on the new weights.
@@ -195,7 +206,9 @@ async def reference_for_prompt(model_dir, weights, tmp, engine_config, prompt) -
     save_weights(weights, ckpt / "model.safetensors")
     fresh = await asyncio.to_thread(EngineAdapter.start, replace(engine_config, model=str(ckpt)))
     try:
-        async for out in fresh.llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), "r"):
+        async for out in fresh.llm.generate(
+            prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), "r"
+        ):
             last = out
         return list(last.outputs[0].token_ids)
     finally:
@@ -244,7 +257,9 @@ class HandTrainer:
     async def send(self, chunk: dict, tensors: list[torch.Tensor] | None, vote: bool = True):
         """UpdateWeights with `chunk`, voting and sending `tensors` (one bucket) alongside."""
         rpc = asyncio.get_running_loop().run_in_executor(
-            self.pool, self.client.control.UpdateWeights, cpb.UpdateWeightsRequest(update_info_json=json.dumps(chunk).encode())
+            self.pool,
+            self.client.control.UpdateWeights,
+            cpb.UpdateWeightsRequest(update_info_json=json.dumps(chunk).encode()),
         )
         if tensors is not None:
             group: GlooGroup = self.sync._group  # noqa: SLF001 - this double drives the group itself
@@ -371,8 +386,12 @@ async def test_wrong_state_rows(stubs, target, baseline):
         await expect(PRECONDITION, control.StartDraftWeightUpdate(cpb.StartDraftWeightUpdateRequest()))
         await control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
         await expect(grpc.StatusCode.ABORTED, control.StartWeightUpdate(cpb.StartWeightUpdateRequest()))
-        await expect(grpc.StatusCode.ABORTED, control.InitWeightTransferEngine(
-            cpb.InitWeightTransferEngineRequest(init_info_json=b'{"master_address": "127.0.0.1"}')))
+        await expect(
+            grpc.StatusCode.ABORTED,
+            control.InitWeightTransferEngine(
+                cpb.InitWeightTransferEngineRequest(init_info_json=b'{"master_address": "127.0.0.1"}')
+            ),
+        )
         await expect(INVALID, control.FinishWeightUpdate(cpb.FinishWeightUpdateRequest(weight_version="")))
         await lifecycle.AbortWeightUpdate(lpb.AbortWeightUpdateRequest())
         await lifecycle.AbortWeightUpdate(lpb.AbortWeightUpdateRequest())  # idempotent
@@ -385,11 +404,25 @@ async def test_init_deadline_and_bad_init_info_leave_the_transport_as_it_was(stu
     control, _, lifecycle = stubs
     ready = (await lifecycle.GetState(lpb.GetStateRequest())).transport_ready
     await expect(INVALID, control.InitWeightTransferEngine(cpb.InitWeightTransferEngineRequest(init_info_json=b"[]")))
-    await expect(INVALID, control.InitWeightTransferEngine(
-        cpb.InitWeightTransferEngineRequest(init_info_json=b'{"master_address": "127.0.0.1", "world_size": 2}')))
-    nobody = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2, "timeout_s": 2}
-    await expect(grpc.StatusCode.DEADLINE_EXCEEDED, control.InitWeightTransferEngine(
-        cpb.InitWeightTransferEngineRequest(init_info_json=json.dumps(nobody).encode())))
+    await expect(
+        INVALID,
+        control.InitWeightTransferEngine(
+            cpb.InitWeightTransferEngineRequest(init_info_json=b'{"master_address": "127.0.0.1", "world_size": 2}')
+        ),
+    )
+    nobody = {
+        "master_address": "127.0.0.1",
+        "master_port": free_port(),
+        "rank_offset": 1,
+        "world_size": 2,
+        "timeout_s": 2,
+    }
+    await expect(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        control.InitWeightTransferEngine(
+            cpb.InitWeightTransferEngineRequest(init_info_json=json.dumps(nobody).encode())
+        ),
+    )
     assert (await lifecycle.GetState(lpb.GetStateRequest())).transport_ready == ready
     await assert_nothing_changed(stubs, *baseline)
 

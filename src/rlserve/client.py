@@ -71,7 +71,9 @@ class Client:
     def generate(self, prompt: Prompt, *, timeout_s: float | None = None, **kw: Any) -> inference_pb2.GenerateResponse:
         return self.inference.Generate(generate_request(prompt, **kw), timeout=timeout_s)
 
-    def stream(self, prompt: Prompt, *, timeout_s: float | None = None, **kw: Any) -> Iterator[inference_pb2.GenerateResponse]:
+    def stream(
+        self, prompt: Prompt, *, timeout_s: float | None = None, **kw: Any
+    ) -> Iterator[inference_pb2.GenerateResponse]:
         return self.inference.GenerateStream(generate_request(prompt, **kw), timeout=timeout_s)
 
     def abort(self, *request_ids: str) -> None:
@@ -101,7 +103,9 @@ class AsyncClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def generate(self, prompt: Prompt, *, timeout_s: float | None = None, **kw: Any) -> inference_pb2.GenerateResponse:
+    async def generate(
+        self, prompt: Prompt, *, timeout_s: float | None = None, **kw: Any
+    ) -> inference_pb2.GenerateResponse:
         return await self.inference.Generate(generate_request(prompt, **kw), timeout=timeout_s)
 
     async def stream(

@@ -63,9 +63,7 @@ class ConcurrentChange(RlserveError):
 
 class VersionMismatch(ConcurrentChange):
     def __init__(self, expected: str, actual: str) -> None:
-        super().__init__(
-            f"weight version is {actual!r}, not the expected {expected!r}; nothing changed"
-        )
+        super().__init__(f"weight version is {actual!r}, not the expected {expected!r}; nothing changed")
 
 
 class PauseSuperseded(ConcurrentChange):
@@ -74,9 +72,7 @@ class PauseSuperseded(ConcurrentChange):
 
 class TooManyHeldRequests(Overloaded):
     def __init__(self, limit: int) -> None:
-        super().__init__(
-            f"generation is paused and {limit} requests are already held; retry after resume"
-        )
+        super().__init__(f"generation is paused and {limit} requests are already held; retry after resume")
 
 
 class NotPaused(WrongState):

@@ -102,7 +102,9 @@ class WeightSync:
         finally:
             rpc.result()
 
-    def sync(self, weights: NamedTensors, version: str, *, pause_mode: str = "keep", progress: bool = False) -> SyncStats:
+    def sync(
+        self, weights: NamedTensors, version: str, *, pause_mode: str = "keep", progress: bool = False
+    ) -> SyncStats:
         """Push `weights` (names as in the served HF checkpoint) and publish `version`."""
         if self._group is None:
             raise RuntimeError("call init() before sync()")
@@ -214,7 +216,11 @@ def _plan_chunks(tensors: Mapping[str, torch.Tensor], chunk_bytes: int, bucket_b
 
 def _fill(spare: torch.Tensor, bucket: Any, chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     # A tensor larger than bucket_bytes gets a bucket of its own size.
-    buffer = spare[: bucket.num_bytes] if bucket.num_bytes <= spare.numel() else torch.empty(bucket.num_bytes, dtype=torch.uint8)
+    buffer = (
+        spare[: bucket.num_bytes]
+        if bucket.num_bytes <= spare.numel()
+        else torch.empty(bucket.num_bytes, dtype=torch.uint8)
+    )
     for index, offset in bucket.placements:
         meta = chunk.tensors[index]
         buffer[offset : offset + meta.num_bytes].copy_(tensors[meta.name].view(-1).view(torch.uint8))

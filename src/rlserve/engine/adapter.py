@@ -174,9 +174,7 @@ class EngineAdapter:
         paused = await core.call_utility_all_async("is_scheduler_paused")
         versions = await core.call_utility_all_async("get_weight_version")
         first_rank = self._llm.vllm_config.parallel_config.data_parallel_rank
-        return [
-            EngineStatus(first_rank + i, bool(p), str(v)) for i, (p, v) in enumerate(zip(paused, versions))
-        ]
+        return [EngineStatus(first_rank + i, bool(p), str(v)) for i, (p, v) in enumerate(zip(paused, versions))]
 
     def num_unfinished_requests(self) -> int:
         return self._llm.get_num_unfinished_requests()
@@ -217,8 +215,7 @@ class EngineAdapter:
         return RlCapabilities(
             weight_transfer_enabled=wt is not None,
             weight_transfer_backend=wt.backend if wt is not None else "",
-            sleep_mode_enabled=bool(vc.model_config.enable_sleep_mode)
-            and current_platform.is_sleep_mode_available(),
+            sleep_mode_enabled=bool(vc.model_config.enable_sleep_mode) and current_platform.is_sleep_mode_available(),
             draft_weight_updates_enabled=wt is not None and has_draft,
         )
 

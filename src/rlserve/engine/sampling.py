@@ -52,9 +52,7 @@ def build_prompt_token_ids(params: GenerateParams, tokenizer: Any, limits: Model
         ids = list(params.prompt_token_ids)
         bad = [i for i in ids if i >= limits.vocab_size]
         if bad:
-            raise InvalidRequest(
-                "token_ids", f"ids {bad[:5]} are outside the vocabulary (size {limits.vocab_size})"
-            )
+            raise InvalidRequest("token_ids", f"ids {bad[:5]} are outside the vocabulary (size {limits.vocab_size})")
     else:
         raise InvalidRequest("prompt", "set either text or token_ids")
     if params.truncate_prompt_tokens and len(ids) > params.truncate_prompt_tokens:
@@ -64,17 +62,11 @@ def build_prompt_token_ids(params: GenerateParams, tokenizer: Any, limits: Model
     return ids
 
 
-def build_sampling_params(
-    params: GenerateParams, num_prompt_tokens: int, limits: ModelLimits
-) -> SamplingParams:
+def build_sampling_params(params: GenerateParams, num_prompt_tokens: int, limits: ModelLimits) -> SamplingParams:
     if params.priority and not limits.has_priority_scheduling:
-        raise InvalidRequest(
-            "priority", "priority scheduling is not enabled; start with --scheduling-policy priority"
-        )
+        raise InvalidRequest("priority", "priority scheduling is not enabled; start with --scheduling-policy priority")
     if not params.is_stream and params.num_sequences > 1:
-        raise InvalidRequest(
-            "sampling.num_sequences", "Generate returns one sequence; use GenerateStream for n > 1"
-        )
+        raise InvalidRequest("sampling.num_sequences", "Generate returns one sequence; use GenerateStream for n > 1")
     kwargs = _structured_kwargs(params, num_prompt_tokens, limits)
     if params.native_sampling_params is not None:
         kwargs.update(_native_kwargs(params.native_sampling_params))
@@ -85,9 +77,7 @@ def build_sampling_params(
         raise InvalidRequest(field, str(e)) from e
 
 
-def _structured_kwargs(
-    params: GenerateParams, num_prompt_tokens: int, limits: ModelLimits
-) -> dict[str, Any]:
+def _structured_kwargs(params: GenerateParams, num_prompt_tokens: int, limits: ModelLimits) -> dict[str, Any]:
     room = limits.max_model_len - num_prompt_tokens
     max_tokens = params.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, room)
     if max_tokens > room:
@@ -149,9 +139,7 @@ def _logprob_kwargs(params: GenerateParams) -> dict[str, Any]:
     cand = params.prompt_candidates
     if cand is not None:
         if cand.token_ids:
-            raise InvalidRequest(
-                "response.prompt_candidates.token_ids", "not supported; use top_n or all"
-            )
+            raise InvalidRequest("response.prompt_candidates.token_ids", "not supported; use top_n or all")
         out.update(_candidate_kwargs(cand, "prompt_logprobs", ""))
     elif params.return_prompt_logprobs:
         out["prompt_logprobs"] = 0

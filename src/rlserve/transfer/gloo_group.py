@@ -23,9 +23,7 @@ class GlooGroup:
     @classmethod
     def join(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> GlooGroup:
         """A worker joins the trainer's store."""
-        store = dist.TCPStore(
-            host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
         return cls(store, rank, world_size, timeout_s)
 
     @staticmethod

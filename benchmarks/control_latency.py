@@ -1,0 +1,240 @@
+"""Control-plane latency on an idle engine: rlserve against vLLM's own frontends.
+
+For each system in turn (one engine at a time: start, measure, stop), one client in this process
+makes sequential calls, warms up, then times each call:
+  rlserve    `rlserve serve`: vllm.Control/IsPaused, a PauseGeneration(ABORT) + ResumeGeneration
+             pair, and grpc.health.v1.Health/Check on the same channel (the floor: an empty
+             unary call that touches neither the controller nor the engine)
+  vllm_rs    vLLM's Rust frontend (`vllm-rs serve --grpc-port`): the same calls, the same stubs
+  vllm_http  vLLM's OpenAI server with VLLM_SERVER_DEV_MODE=1: GET /is_paused and a
+             POST /pause?mode=abort + POST /resume pair, over one keep-alive aiohttp session
+The last stdout line is one JSON object: p50/p99 in ms per system and call, and `ratios` of
+rlserve's p50 to the floor and to the other systems (lower is better); `targets` states the goals.
+A system that could not run holds `unavailable` with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common
+
+SYSTEMS = ("rlserve", "vllm_rs", "vllm_http")
+ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", "512", "--enforce-eager")
+TARGETS = {
+    "rlserve_is_paused_over_floor_p50": "<= 1.3",
+    "rlserve_over_vllm_rs_pause_resume_p50": "< 1",
+}
+
+Call = Callable[[], Awaitable[None]]
+
+
+async def timed(call: Call, num_warmup: int, num_samples: int) -> dict:
+    """Sequential calls: `num_warmup` untimed, then `num_samples` timed one by one."""
+    for _ in range(num_warmup):
+        await call()
+    samples_s = []
+    for _ in range(num_samples):
+        start = time.perf_counter()
+        await call()
+        samples_s.append(time.perf_counter() - start)
+    return {
+        "p50_ms": round(common.percentile(samples_s, 50) * 1000, 3),
+        "p99_ms": round(common.percentile(samples_s, 99) * 1000, 3),
+    }
+
+
+async def check_pause_cycle(is_paused: Callable[[], Awaitable[bool]], pause: Call, resume: Call) -> None:
+    """The pair must really pause and resume, or the benchmark would time no-ops."""
+    states = [await is_paused()]
+    await pause()
+    states.append(await is_paused())
+    await resume()
+    states.append(await is_paused())
+    if states != [False, True, False]:
+        raise RuntimeError(f"expected is_paused False, True, False around pause/resume; got {states}")
+
+
+async def measure(is_paused: Callable[[], Awaitable[bool]], pause: Call, resume: Call,
+                  floor: Call | None, args: argparse.Namespace) -> dict:
+    await check_pause_cycle(is_paused, pause, resume)
+
+    async def pause_resume() -> None:
+        await pause()
+        await resume()
+
+    async def is_paused_call() -> None:
+        await is_paused()
+
+    out = {}
+    if floor is not None:
+        out["health_check"] = await timed(floor, args.num_warmup, args.num_samples)
+    out["is_paused"] = await timed(is_paused_call, args.num_warmup, args.num_samples)
+    out["pause_resume"] = await timed(pause_resume, args.num_warmup, args.num_pairs)
+    return out
+
+
+# --- systems -------------------------------------------------------------------------------
+
+async def grpc_system(cmd: list[str], port: int, log_path: Path, args: argparse.Namespace) -> dict:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from rlserve.api.vllm import control_pb2 as pb
+    from rlserve.api.vllm import control_pb2_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with common.server(cmd, log_path) as proc:
+            await common.until_ready(common.grpc_serving(channel), proc, log_path)
+            control = control_pb2_grpc.ControlStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+
+            async def is_paused() -> bool:
+                return (await control.IsPaused(pb.IsPausedRequest())).paused
+
+            async def pause() -> None:
+                await control.PauseGeneration(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_ABORT))
+
+            async def resume() -> None:
+                await control.ResumeGeneration(pb.ResumeGenerationRequest())
+
+            async def floor() -> None:
+                await health.Check(health_pb2.HealthCheckRequest(service=""))
+
+            return await measure(is_paused, pause, resume, floor, args)
+
+
+async def http_system(cmd: list[str], port: int, log_path: Path, args: argparse.Namespace) -> dict:
+    import aiohttp
+
+    base_url = f"http://127.0.0.1:{port}"
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+    # One connection, kept alive, so no call pays for a TCP handshake.
+    connector = aiohttp.TCPConnector(limit=1)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        async with common.server(cmd, log_path) as proc:
+            await common.until_ready(common.http_healthy(session, base_url), proc, log_path)
+
+            async def call(method: str, path: str) -> dict:
+                async with session.request(method, f"{base_url}{path}") as resp:
+                    body = await resp.json()
+                    if resp.status != 200:
+                        raise RuntimeError(f"{method} {path}: HTTP {resp.status} {body}")
+                    return body
+
+            async def is_paused() -> bool:
+                return (await call("GET", "/is_paused"))["is_paused"]
+
+            async def pause() -> None:
+                await call("POST", "/pause?mode=abort")
+
+            async def resume() -> None:
+                await call("POST", "/resume")
+
+            return await measure(is_paused, pause, resume, None, args)
+
+
+async def run_system(name: str, args: argparse.Namespace, work_dir: Path) -> dict:
+    log_path = work_dir / f"control_{name}.log"
+    info = {"loadavg_start": [round(x, 2) for x in os.getloadavg()], "log": str(log_path)}
+    started = time.perf_counter()
+    if name == "rlserve":
+        port = common.free_port()
+        cmd = [sys.executable, "-m", "rlserve", "serve", "--model", args.model, "--port", str(port),
+               *ENGINE_FLAGS]
+        result = await grpc_system(cmd, port, log_path, args)
+    elif name == "vllm_rs":
+        binary = common.vllm_rs_binary(work_dir)
+        if isinstance(binary, str):
+            return {**info, "unavailable": binary}
+        python = common.python_with_vllm_dist(work_dir)
+        grpc_port, http_port = common.free_port(), common.free_port()
+        cmd = [str(binary), "serve", args.model, "--port", str(http_port), "--grpc-port", str(grpc_port),
+               "--python", str(python), *ENGINE_FLAGS]
+        result = await grpc_system(cmd, grpc_port, log_path, args)
+    else:
+        port = common.free_port()
+        # The dev routes (/pause, /resume, /is_paused) exist only with VLLM_SERVER_DEV_MODE=1.
+        cmd = ["env", "VLLM_SERVER_DEV_MODE=1", sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", args.model, "--host", "127.0.0.1", "--port", str(port), *ENGINE_FLAGS]
+        result = await http_system(cmd, port, log_path, args)
+    info["elapsed_s"] = round(time.perf_counter() - started, 1)
+    return {**result, **info}
+
+
+# --- driver --------------------------------------------------------------------------------
+
+def ratios(systems: dict) -> dict:
+    def p50(system: str, call: str) -> float | None:
+        return systems.get(system, {}).get(call, {}).get("p50_ms")
+
+    def div(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    return {
+        "rlserve_is_paused_over_floor_p50": div(p50("rlserve", "is_paused"), p50("rlserve", "health_check")),
+        "rlserve_over_vllm_rs_pause_resume_p50": div(p50("rlserve", "pause_resume"), p50("vllm_rs", "pause_resume")),
+        "rlserve_over_vllm_rs_is_paused_p50": div(p50("rlserve", "is_paused"), p50("vllm_rs", "is_paused")),
+        "rlserve_over_http_pause_resume_p50": div(p50("rlserve", "pause_resume"), p50("vllm_http", "pause_resume")),
+        "rlserve_over_http_is_paused_p50": div(p50("rlserve", "is_paused"), p50("vllm_http", "is_paused")),
+    }
+
+
+async def main(args: argparse.Namespace) -> dict:
+    # SIGTERM cancels like Ctrl-C does, so every started server is stopped on the way out.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    work_dir = Path(args.work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    if not args.model:
+        args.model = str(common.make_bench_model(work_dir / "models" / "llama-h256-l4"))
+    systems: dict = {}
+    for name in args.systems:
+        print(f"[bench] system {name} ...", file=sys.stderr)
+        try:
+            systems[name] = await run_system(name, args, work_dir)
+        except Exception as e:  # noqa: BLE001 - one failed system must not hide the others
+            systems[name] = {"unavailable": f"failed: {type(e).__name__}: {e}"[:2000]}
+        print(f"[bench] {name}: {json.dumps(systems[name])}", file=sys.stderr)
+    return {
+        "benchmark": "control_latency", "model": args.model, "num_warmup": args.num_warmup,
+        "num_samples": args.num_samples, "num_pairs": args.num_pairs, "cpu_count": os.cpu_count(),
+        "systems": systems, "ratios": ratios(systems), "targets": TARGETS,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="", help="HF model dir (default: a ~16M random Llama in --work-dir)")
+    p.add_argument("--num-warmup", type=int, default=50, help="untimed calls before each measured call kind")
+    p.add_argument("--num-samples", type=int, default=300, help="timed IsPaused and health calls")
+    p.add_argument("--num-pairs", type=int, default=100, help="timed pause+resume pairs")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "rlserve-bench"),
+                   help="models, logs, the vllm-rs binary and the vllm shim venv go here")
+    args = p.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(args.systems) - set(SYSTEMS)
+    if unknown:
+        p.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    if args.num_warmup < 0 or args.num_samples < 1 or args.num_pairs < 1:
+        p.error("--num-samples and --num-pairs must be >= 1, --num-warmup >= 0")
+    return args
+
+
+if __name__ == "__main__":
+    cli_args = parse_args()
+    try:
+        result = asyncio.run(main(cli_args))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        sys.exit("[bench] interrupted; the servers it started were stopped")
+    print(json.dumps(result))
