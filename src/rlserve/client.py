@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlserve.api.vllm import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 
@@ -66,7 +67,14 @@ class Client:
         self._channel.close()
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
-        grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        """Block until the server reports SERVING (its engine has started), or raise
+        grpc.RpcError with DEADLINE_EXCEEDED after `timeout_s`."""
+        request = health_pb2.HealthCheckRequest(service="")
+        watch = health_pb2_grpc.HealthStub(self._channel).Watch(request, timeout=timeout_s, wait_for_ready=True)
+        for update in watch:
+            if update.status == health_pb2.HealthCheckResponse.SERVING:
+                watch.cancel()
+                return
 
     def generate(self, prompt: Prompt, *, timeout_s: float | None = None, **kw: Any) -> inference_pb2.GenerateResponse:
         return self.inference.Generate(generate_request(prompt, **kw), timeout=timeout_s)
