@@ -93,25 +93,25 @@ async def grpc_system(cmd: list[str], port: int, log_path: Path, args: argparse.
     from rlserve.api.vllm import control_pb2 as pb
     from rlserve.api.vllm import control_pb2_grpc
 
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        async with common.server(cmd, log_path) as proc:
-            await common.until_ready(common.grpc_serving(channel), proc, log_path)
-            control = control_pb2_grpc.ControlStub(channel)
-            health = health_pb2_grpc.HealthStub(channel)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    async with channel, common.server(cmd, log_path) as proc:
+        await common.until_ready(common.grpc_serving(channel), proc, log_path)
+        control = control_pb2_grpc.ControlStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
 
-            async def is_paused() -> bool:
-                return (await control.IsPaused(pb.IsPausedRequest())).paused
+        async def is_paused() -> bool:
+            return (await control.IsPaused(pb.IsPausedRequest())).paused
 
-            async def pause() -> None:
-                await control.PauseGeneration(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_ABORT))
+        async def pause() -> None:
+            await control.PauseGeneration(pb.PauseGenerationRequest(mode=pb.PAUSE_MODE_ABORT))
 
-            async def resume() -> None:
-                await control.ResumeGeneration(pb.ResumeGenerationRequest())
+        async def resume() -> None:
+            await control.ResumeGeneration(pb.ResumeGenerationRequest())
 
-            async def floor() -> None:
-                await health.Check(health_pb2.HealthCheckRequest(service=""))
+        async def floor() -> None:
+            await health.Check(health_pb2.HealthCheckRequest(service=""))
 
-            return await measure(is_paused, pause, resume, floor, args)
+        return await measure(is_paused, pause, resume, floor, args)
 
 
 async def http_system(cmd: list[str], port: int, log_path: Path, args: argparse.Namespace) -> dict:
@@ -121,27 +121,27 @@ async def http_system(cmd: list[str], port: int, log_path: Path, args: argparse.
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     # One connection, kept alive, so no call pays for a TCP handshake.
     connector = aiohttp.TCPConnector(limit=1)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        async with common.server(cmd, log_path) as proc:
-            await common.until_ready(common.http_healthy(session, base_url), proc, log_path)
+    session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+    async with session, common.server(cmd, log_path) as proc:
+        await common.until_ready(common.http_healthy(session, base_url), proc, log_path)
 
-            async def call(method: str, path: str) -> dict:
-                async with session.request(method, f"{base_url}{path}") as resp:
-                    body = await resp.json()
-                    if resp.status != 200:
-                        raise RuntimeError(f"{method} {path}: HTTP {resp.status} {body}")
-                    return body
+        async def call(method: str, path: str) -> dict:
+            async with session.request(method, f"{base_url}{path}") as resp:
+                body = await resp.json()
+                if resp.status != 200:
+                    raise RuntimeError(f"{method} {path}: HTTP {resp.status} {body}")
+                return body
 
-            async def is_paused() -> bool:
-                return (await call("GET", "/is_paused"))["is_paused"]
+        async def is_paused() -> bool:
+            return (await call("GET", "/is_paused"))["is_paused"]
 
-            async def pause() -> None:
-                await call("POST", "/pause?mode=abort")
+        async def pause() -> None:
+            await call("POST", "/pause?mode=abort")
 
-            async def resume() -> None:
-                await call("POST", "/resume")
+        async def resume() -> None:
+            await call("POST", "/resume")
 
-            return await measure(is_paused, pause, resume, None, args)
+        return await measure(is_paused, pause, resume, None, args)
 
 
 async def run_system(name: str, args: argparse.Namespace, work_dir: Path) -> dict:
