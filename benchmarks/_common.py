@@ -67,6 +67,9 @@ class CpuSnapshot:
     engine_s: float
     helper_s: float
 
+    def as_tuple(self) -> tuple[float, float, float]:
+        return self.frontend_s, self.engine_s, self.helper_s
+
     def minus(self, before: CpuSnapshot) -> CpuSnapshot:
         return CpuSnapshot(
             self.frontend_s - before.frontend_s,
@@ -198,8 +201,7 @@ def vllm_rs_binary(work_dir: Path) -> Path | str:
         return binary
     wheel_dir = work_dir / "wheel"
     version = vllm_version()
-    cmd = [sys.executable, "-m", "pip", "download", f"vllm=={version}", "--no-deps", "-q",
-           "-d", str(wheel_dir)]
+    cmd = [sys.executable, "-m", "pip", "download", f"vllm=={version}", "--no-deps", "-q", "-d", str(wheel_dir)]
     print(f"[bench] fetching vllm-rs: {' '.join(cmd)}", file=sys.stderr)
     done = subprocess.run(cmd, check=False, capture_output=True, text=True)
     wheels = sorted(wheel_dir.glob(f"vllm-{version}-*.whl"))
@@ -253,6 +255,7 @@ def child_env() -> dict[str, str]:
 
 
 # --- server processes ----------------------------------------------------------------------
+
 
 @asynccontextmanager
 async def server(cmd: list[str], log_path: Path):

@@ -10,6 +10,8 @@ makes sequential calls, warms up, then times each call:
              POST /pause?mode=abort + POST /resume pair, over one keep-alive aiohttp session
 The last stdout line is one JSON object: p50/p99 in ms per system and call, and `ratios` of
 rlserve's p50 to the floor and to the other systems (lower is better); `targets` states the goals.
+`foreign_cpu_s`/`steal_cpu_s`: CPU used by anything else on the machine, or taken by the
+hypervisor, while a system was measured; if large, that system's figures are noise.
 A system that could not run holds `unavailable` with the reason.
 """
 
@@ -25,6 +27,8 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common
@@ -84,6 +88,20 @@ async def measure(is_paused: Callable[[], Awaitable[bool]], pause: Call, resume:
     return out
 
 
+async def with_foreign_cpu(pid: int, measuring: Awaitable[dict]) -> dict:
+    """Adds the CPU that anything but the server tree and this client used meanwhile, and the
+    hypervisor's steal: with sub-millisecond calls on 2 cores, either one skews the figures."""
+    frontend, client = psutil.Process(pid), psutil.Process()
+    before, client_before, (busy_before, steal_before) = (
+        common.cpu_snapshot(frontend), common.cpu_s(client), common.machine_cpu_s())
+    result = await measuring
+    cpu = common.cpu_snapshot(frontend).minus(before)
+    ours = cpu.frontend_s + cpu.engine_s + cpu.helper_s + common.cpu_s(client) - client_before
+    busy, steal = common.machine_cpu_s()
+    return {**result, "foreign_cpu_s": round(busy - busy_before - ours, 3),
+            "steal_cpu_s": round(steal - steal_before, 3)}
+
+
 # --- systems -------------------------------------------------------------------------------
 
 async def grpc_system(cmd: list[str], port: int, log_path: Path, args: argparse.Namespace) -> dict:
@@ -111,7 +129,7 @@ async def grpc_system(cmd: list[str], port: int, log_path: Path, args: argparse.
         async def floor() -> None:
             await health.Check(health_pb2.HealthCheckRequest(service=""))
 
-        return await measure(is_paused, pause, resume, floor, args)
+        return await with_foreign_cpu(proc.pid, measure(is_paused, pause, resume, floor, args))
 
 
 async def http_system(cmd: list[str], port: int, log_path: Path, args: argparse.Namespace) -> dict:
@@ -141,7 +159,7 @@ async def http_system(cmd: list[str], port: int, log_path: Path, args: argparse.
         async def resume() -> None:
             await call("POST", "/resume")
 
-        return await measure(is_paused, pause, resume, None, args)
+        return await with_foreign_cpu(proc.pid, measure(is_paused, pause, resume, None, args))
 
 
 async def run_system(name: str, args: argparse.Namespace, work_dir: Path) -> dict:

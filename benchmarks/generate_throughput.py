@@ -59,10 +59,7 @@ RequestFn = Callable[[str, int], Awaitable[tuple[float, int, int]]]
 
 
 def prompts(num_requests: int) -> list[str]:
-    return [
-        f"Request {i}: tell me a short story about the number {i} and a lighthouse."
-        for i in range(num_requests)
-    ]
+    return [f"Request {i}: tell me a short story about the number {i} and a lighthouse." for i in range(num_requests)]
 
 
 @dataclass(frozen=True)
@@ -108,11 +105,11 @@ async def measure(
         client_cpu = common.cpu_s(client) - client_before if client else 0.0
         ours = cpu.frontend_s + cpu.engine_s + cpu.helper_s + client_cpu
         busy, steal = common.machine_cpu_s()
-        runs.append(Run(
-            wall_s, sum(r[1] for r in results), sum(r[2] for r in results), [r[0] for r in results],
-            cpu.frontend_s, cpu.engine_s, cpu.helper_s, client_cpu,
-            foreign_cpu_s=busy - busy_before - ours, steal_cpu_s=steal - steal_before,
-        ))
+        latencies, num_tokens, num_messages = (list(column) for column in zip(*results))
+        foreign, stolen = busy - busy_before - ours, steal - steal_before
+        runs.append(
+            Run(wall_s, sum(num_tokens), sum(num_messages), latencies, *cpu.as_tuple(), client_cpu, foreign, stolen)
+        )
     return runs
 
 
@@ -146,6 +143,7 @@ def summarize(runs: list[Run]) -> dict:
 
 # --- clients -------------------------------------------------------------------------------
 
+
 def grpc_request_fn(channel) -> RequestFn:
     from rlserve.api.vllm import inference_pb2_grpc
     from rlserve.client import generate_request
@@ -166,8 +164,13 @@ def grpc_request_fn(channel) -> RequestFn:
 def http_request_fn(session, base_url: str, model: str) -> RequestFn:
     async def one(prompt: str, max_new_tokens: int) -> tuple[float, int, int]:
         body = {
-            "model": model, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_new_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
         }
         start, num_tokens, num_messages = time.perf_counter(), 0, 0
         async with session.post(f"{base_url}/v1/completions", json=body) as resp:
@@ -185,6 +188,7 @@ def http_request_fn(session, base_url: str, model: str) -> RequestFn:
 
 
 # --- legs ----------------------------------------------------------------------------------
+
 
 async def server_leg(
     cmd: list[str], log_path: Path, ready: Awaitable[None], one: RequestFn, args: argparse.Namespace
@@ -215,9 +219,9 @@ async def http_leg(cmd: list[str], port: int, model: str, args: argparse.Namespa
 async def asyncllm_leg(args: argparse.Namespace, log_path: Path):
     """The reference runs in a child process so its CPU is not mixed with this process's."""
     result_path = log_path.with_suffix(".json")
-    cmd = [sys.executable, __file__, "--asyncllm-child", str(result_path), "--model", args.model,
-           "--num-requests", str(args.num_requests), "--max-new-tokens", str(args.max_new_tokens),
-           "--repeats", str(args.repeats)]
+    workload = ["--num-requests", str(args.num_requests), "--max-new-tokens", str(args.max_new_tokens)]
+    cmd = [sys.executable, __file__, "--asyncllm-child", str(result_path), "--model", args.model, *workload]
+    cmd += ["--repeats", str(args.repeats)]
     async with common.server(cmd, log_path) as proc:
         if await proc.wait() != 0:
             raise RuntimeError(f"the AsyncLLM child failed; last log lines:\n{common.tail(log_path)}")
@@ -256,6 +260,7 @@ async def asyncllm_child(args: argparse.Namespace) -> None:
 
 # --- driver --------------------------------------------------------------------------------
 
+
 async def run_leg(name: str, args: argparse.Namespace, work_dir: Path) -> dict:
     log_path = work_dir / f"{name}.log"
     info: dict = {"loadavg_start": [round(x, 2) for x in os.getloadavg()]}
@@ -265,14 +270,13 @@ async def run_leg(name: str, args: argparse.Namespace, work_dir: Path) -> dict:
         info["frontend"] = "the AsyncLLM child process (includes its driving loop)"
     elif name == "rlserve":
         port = common.free_port()
-        cmd = [sys.executable, "-m", "rlserve", "serve", "--model", args.model, "--port", str(port),
-               *ENGINE_FLAGS]
+        cmd = [sys.executable, "-m", "rlserve", "serve", "--model", args.model, "--port", str(port), *ENGINE_FLAGS]
         runs, tree = await grpc_leg(cmd, port, args, log_path)
         info["frontend"] = "the `python -m rlserve serve` process"
     elif name == "vllm_http":
         port = common.free_port()
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
-               "--host", "127.0.0.1", "--port", str(port), *ENGINE_FLAGS]
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1"]
+        cmd += ["--port", str(port), "--model", args.model, *ENGINE_FLAGS]
         runs, tree = await http_leg(cmd, port, args.model, args, log_path)
         info["frontend"] = "the api_server process (one API server)"
     else:
@@ -281,8 +285,8 @@ async def run_leg(name: str, args: argparse.Namespace, work_dir: Path) -> dict:
             return {**info, "unavailable": binary}
         python = common.python_with_vllm_dist(work_dir)
         grpc_port, http_port = common.free_port(), common.free_port()
-        cmd = [str(binary), "serve", args.model, "--port", str(http_port), "--grpc-port", str(grpc_port),
-               "--python", str(python), *ENGINE_FLAGS]
+        cmd = [str(binary), "serve", args.model, "--port", str(http_port), "--grpc-port", str(grpc_port)]
+        cmd += ["--python", str(python), *ENGINE_FLAGS]
         runs, tree = await grpc_leg(cmd, grpc_port, args, log_path)
         info["frontend"] = "the vllm-rs (Rust) process only; its Python launcher is helper_cpu_s"
     info["elapsed_s"] = round(time.perf_counter() - started, 1)
@@ -321,9 +325,15 @@ async def main(args: argparse.Namespace) -> dict:
             legs[name] = {"unavailable": f"failed: {type(e).__name__}: {e}"[:2000]}
         print(f"[bench] {name}: {json.dumps(legs[name])}", file=sys.stderr)
     return {
-        "benchmark": "generate_throughput", "model": args.model, "num_requests": args.num_requests,
-        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "cpu_count": os.cpu_count(),
-        "legs": legs, "ratios": ratios(legs), "targets": TARGETS,
+        "benchmark": "generate_throughput",
+        "model": args.model,
+        "num_requests": args.num_requests,
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "cpu_count": os.cpu_count(),
+        "legs": legs,
+        "ratios": ratios(legs),
+        "targets": TARGETS,
     }
 
 
@@ -334,8 +344,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--legs", default=",".join(LEGS), help=f"comma-separated subset of {','.join(LEGS)}")
-    p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "rlserve-bench"),
-                   help="models, logs, the vllm-rs binary and the vllm shim venv go here")
+    p.add_argument(
+        "--work-dir",
+        default=str(Path(tempfile.gettempdir()) / "rlserve-bench"),
+        help="models, logs, the vllm-rs binary and the vllm shim venv go here",
+    )
     p.add_argument("--asyncllm-child", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.legs = [leg.strip() for leg in args.legs.split(",") if leg.strip()]

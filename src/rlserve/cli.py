@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -75,9 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"rlserve: {e}", file=sys.stderr)
         return 2
+    import uvloop
+
     from rlserve.server.app import serve
 
-    asyncio.run(serve(config))
+    # uvloop (a vLLM dependency) costs grpc.aio ~20 µs less CPU per streamed message.
+    uvloop.run(serve(config))
     return 0
 
 

@@ -54,6 +54,8 @@ def engine_args(config: EngineConfig) -> AsyncEngineArgs:
         "scheduling_policy": config.scheduling_policy,
         "seed": config.seed,
         "worker_extension_cls": WORKER_EXTENSION,
+        # rlserve exports no metrics; vLLM's per-token stats would only cost frontend CPU.
+        "disable_log_stats": True,
         **config.extra_engine_args,
     }
     kv_gib = config.kv_cache_gib
