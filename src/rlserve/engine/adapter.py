@@ -86,6 +86,7 @@ class EngineAdapter:
         )
         self._tokenizer = llm.get_tokenizer()
         self.weights = EngineWeightTransfer(llm)
+        self._is_multimodal = vc.model_config.is_multimodal_model
         self._eos_token_id = getattr(self._tokenizer, "eos_token_id", None)
 
     @classmethod
@@ -146,7 +147,7 @@ class EngineAdapter:
         `AsyncLLM.pause_generation` there is no fixed sleep: the engine core's idle callback
         is the signal. Aborted requests' final outputs may still be in flight to their
         streams when this returns."""
-        if clear_cache:
+        if clear_cache and self._is_multimodal:
             await self._llm.renderer.clear_mm_cache_async()
         await self._llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
 
