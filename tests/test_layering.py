@@ -1,0 +1,39 @@
+"""Imports point one way: api <- server <- lifecycle <- engine/transfer. Checked on the source
+(direct imports), so a servicer that starts touching torch, or a controller that starts
+speaking grpc, fails here."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "rlserve"
+# package -> top-level modules it must not import directly
+FORBIDDEN = {
+    "lifecycle": ("grpc", "rlserve.server", "rlserve.api", "torch", "vllm"),
+    "engine": ("grpc", "rlserve.server", "rlserve.api", "rlserve.lifecycle"),
+    "transfer": ("grpc", "rlserve.server", "rlserve.api", "rlserve.lifecycle", "rlserve.engine"),
+    "server": ("torch", "vllm", "rlserve.transfer.gloo_engine", "rlserve.transfer.gloo_group"),
+}
+
+
+def imports_of(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports_point_one_way(package):
+    bad = []
+    for path in sorted((SRC / package).glob("*.py")):
+        for name in imports_of(path):
+            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[package]):
+                bad.append(f"{path.relative_to(SRC)} imports {name}")
+    assert not bad, bad
