@@ -116,7 +116,9 @@ async def greedy(inference, prompt: str = PROMPT, n: int = 24) -> list[int]:
     return list((await inference.Generate(r)).outputs.token_ids)
 
 
-async def reference_outputs(model_dir: Path, weights: dict[str, torch.Tensor], tmp: Path, engine_config) -> list[int]:
+async def reference_outputs(
+    model_dir: Path, weights: dict[str, torch.Tensor], tmp: Path, engine_config, prompt: str = PROMPT
+) -> list[int]:
     """Greedy tokens of a fresh engine loaded from a checkpoint of `weights`."""
     from vllm import SamplingParams
 
@@ -128,7 +130,7 @@ async def reference_outputs(model_dir: Path, weights: dict[str, torch.Tensor], t
     fresh = await asyncio.to_thread(EngineAdapter.start, replace(engine_config, model=str(ckpt)))
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        async for out in fresh.llm.generate(PROMPT, sp, "reference"):
+        async for out in fresh.llm.generate(prompt, sp, "reference"):
             last = out
         return list(last.outputs[0].token_ids)
     finally:
@@ -189,30 +191,9 @@ async def test_no_stale_prefix_cache_after_an_update(target, stubs, tiny_model_d
     weights = perturbed(tiny_model_dir, seed=3)
     rc, _, err = await run_trainer(target, save_weights(weights, tmp_path / "w.safetensors"), "step-3")
     assert rc == 0, err
-    from rlserve.engine.adapter import EngineAdapter  # noqa: F401  (engine already imported)
-
     # A fresh engine on the new weights is the truth; the cached prefix must not leak in.
-    fresh_first = await reference_for_prompt(tiny_model_dir, weights, tmp_path, engine_config, long_prompt)
+    fresh_first = await reference_outputs(tiny_model_dir, weights, tmp_path, engine_config, long_prompt)
     assert await greedy(inference, long_prompt) == fresh_first != first
-
-
-async def reference_for_prompt(model_dir, weights, tmp, engine_config, prompt) -> list[int]:
-    from vllm import SamplingParams
-
-    from rlserve.engine.adapter import EngineAdapter
-
-    ckpt = tmp / "ref-checkpoint"
-    shutil.copytree(model_dir, ckpt)
-    save_weights(weights, ckpt / "model.safetensors")
-    fresh = await asyncio.to_thread(EngineAdapter.start, replace(engine_config, model=str(ckpt)))
-    try:
-        async for out in fresh.llm.generate(
-            prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), "r"
-        ):
-            last = out
-        return list(last.outputs[0].token_ids)
-    finally:
-        fresh.shutdown()
 
 
 async def test_trainer_killed_mid_transfer_leaves_the_old_weights(target, stubs, tiny_model_dir, tmp_path):
@@ -429,7 +410,6 @@ async def test_init_deadline_and_bad_init_info_leave_the_transport_as_it_was(stu
 
 async def test_without_weight_transfer_every_transfer_rpc_fails_closed(control):
     """The session-wide engine has no weight-transfer backend configured."""
-    lifecycle = None  # noqa: F841
     for call, req in (
         (control.InitWeightTransferEngine, cpb.InitWeightTransferEngineRequest(init_info_json=b"{}")),
         (control.StartWeightUpdate, cpb.StartWeightUpdateRequest()),
