@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import json
 import os
 import signal
 import socket
@@ -314,3 +315,30 @@ async def http_healthy(session, base_url: str) -> None:
         except aiohttp.ClientError:
             pass
         await asyncio.sleep(0.5)
+
+
+# --- the run loop both server benchmarks share -----------------------------------------------
+
+async def prepare_run(args) -> Path:
+    """SIGTERM cancels like Ctrl-C (so every started server is stopped on the way out); make
+    the work directory and, without --model, the benchmark model in it."""
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    work_dir = Path(args.work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    if not args.model:
+        args.model = str(make_bench_model(work_dir / "models" / "llama-h256-l4"))
+    return work_dir
+
+
+async def run_each(kind: str, names: list[str], run_one) -> dict:
+    """`await run_one(name)` for each name in turn; a failure becomes {"unavailable": why}
+    so one failed leg never hides the others."""
+    results: dict = {}
+    for name in names:
+        print(f"[bench] {kind} {name} ...", file=sys.stderr)
+        try:
+            results[name] = await run_one(name)
+        except Exception as e:  # noqa: BLE001 - reported in the JSON, not raised
+            results[name] = {"unavailable": f"failed: {type(e).__name__}: {e}"[:2000]}
+        print(f"[bench] {name}: {json.dumps(results[name])}", file=sys.stderr)
+    return results

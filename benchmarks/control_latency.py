@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -209,20 +208,8 @@ def ratios(systems: dict) -> dict:
 
 
 async def main(args: argparse.Namespace) -> dict:
-    # SIGTERM cancels like Ctrl-C does, so every started server is stopped on the way out.
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
-    work_dir = Path(args.work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    if not args.model:
-        args.model = str(common.make_bench_model(work_dir / "models" / "llama-h256-l4"))
-    systems: dict = {}
-    for name in args.systems:
-        print(f"[bench] system {name} ...", file=sys.stderr)
-        try:
-            systems[name] = await run_system(name, args, work_dir)
-        except Exception as e:  # noqa: BLE001 - one failed system must not hide the others
-            systems[name] = {"unavailable": f"failed: {type(e).__name__}: {e}"[:2000]}
-        print(f"[bench] {name}: {json.dumps(systems[name])}", file=sys.stderr)
+    work_dir = await common.prepare_run(args)
+    systems = await common.run_each("system", args.systems, lambda name: run_system(name, args, work_dir))
     return {
         "benchmark": "control_latency", "model": args.model, "num_warmup": args.num_warmup,
         "num_samples": args.num_samples, "num_pairs": args.num_pairs, "cpu_count": os.cpu_count(),

@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -310,20 +309,8 @@ def ratios(legs: dict) -> dict:
 
 
 async def main(args: argparse.Namespace) -> dict:
-    # SIGTERM cancels like Ctrl-C does, so every started server is stopped on the way out.
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
-    work_dir = Path(args.work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    if not args.model:
-        args.model = str(common.make_bench_model(work_dir / "models" / "llama-h256-l4"))
-    legs: dict = {}
-    for name in args.legs:
-        print(f"[bench] leg {name} ...", file=sys.stderr)
-        try:
-            legs[name] = await run_leg(name, args, work_dir)
-        except Exception as e:  # noqa: BLE001 - one failed leg must not hide the others
-            legs[name] = {"unavailable": f"failed: {type(e).__name__}: {e}"[:2000]}
-        print(f"[bench] {name}: {json.dumps(legs[name])}", file=sys.stderr)
+    work_dir = await common.prepare_run(args)
+    legs = await common.run_each("leg", args.legs, lambda name: run_leg(name, args, work_dir))
     return {
         "benchmark": "generate_throughput",
         "model": args.model,

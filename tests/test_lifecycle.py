@@ -44,10 +44,6 @@ async def pause(control, mode, clear_cache: bool | None = None):
     await control.PauseGeneration(req)
 
 
-async def collect(call) -> list[pb.GenerateResponse]:
-    return [r async for r in call]
-
-
 async def started_streams(inference, n: int, max_new_tokens: int = 200):
     """n streams, each of which has produced at least one token."""
     calls = [inference.GenerateStream(long_request(i, max_new_tokens)) for i in range(n)]

@@ -2,7 +2,7 @@
 
 Owns the on-disk cache of the converted Hugging Face model directory and the tokenizer-only
 extraction that tests use. It does not decide which model is served (the CLI does) and reads no
-environment variables; its only implicit input is the default cache dir under `Path.home()`.
+environment variables; its only implicit input is rlserve's cache root (`rlserve.config.default_cache_dir`).
 """
 
 import importlib.metadata
@@ -11,6 +11,8 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
+
+from rlserve.config import default_cache_dir as config_cache_dir
 
 logger = logging.getLogger("rlserve.model_cache")
 
@@ -27,7 +29,7 @@ CONVERSION_MODULES = ("gguf", "accelerate")
 
 def default_cache_dir() -> Path:
     """Where `default_model_dir` converts to when no cache dir is given."""
-    return Path.home() / ".cache" / "rlserve" / "models" / DEFAULT_MODEL_NAME
+    return config_cache_dir() / "models" / DEFAULT_MODEL_NAME
 
 
 def find_gguf_file() -> Path:

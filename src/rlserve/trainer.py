@@ -119,6 +119,7 @@ class WeightSync:
             bar = _progress_bar(sum(t.num_bytes for c in chunks for t in c.tensors), progress)
             for chunk in chunks:
                 self._send_chunk(chunk, tensors, bar)
+            bar.close()
             transfer_s = time.perf_counter() - t0
             control.FinishWeightUpdate(cpb.FinishWeightUpdateRequest(weight_version=version))
         except Exception as e:

@@ -156,10 +156,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[InitInfo, ChunkInfo]):  # ty
         _refresh_tied_lm_head(self.model, self.model_config)
         self.committed_checksums.update(self._checksums)
 
-    def staged_summary(self) -> dict[str, int]:
-        staged = self._staged or {}
-        return {"num_tensors": len(staged), "num_bytes": self.num_bytes_received}
-
 
 def _refresh_tied_lm_head(model: torch.nn.Module, model_config: Any) -> None:
     """vLLM's layer-wise reload processes the embedding but not an lm_head tied to it, whose

@@ -153,8 +153,10 @@ def _align(n: int) -> int:
 
 def tensor_checksum(tensor: Any) -> str:
     """xxh3-128 of a CPU tensor's bytes in row-major order; the same on both sides."""
+    import torch
+
     t = tensor.detach().contiguous()
-    return xxhash.xxh3_128_hexdigest(memoryview(t.view(-1).view(_byte_dtype()).numpy()))
+    return xxhash.xxh3_128_hexdigest(memoryview(t.view(-1).view(torch.uint8).numpy()))
 
 
 def combined_checksum(per_tensor: Mapping[str, str]) -> str:
@@ -165,9 +167,3 @@ def combined_checksum(per_tensor: Mapping[str, str]) -> str:
         h.update(b"\0")
         h.update(per_tensor[name].encode())
     return h.hexdigest()
-
-
-def _byte_dtype() -> Any:
-    import torch
-
-    return torch.uint8

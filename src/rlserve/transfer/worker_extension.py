@@ -1,6 +1,6 @@
 """Methods rlserve adds to every vLLM worker (vLLM's `worker_extension_cls` mechanism),
-called by name through `collective_rpc`: abandon an update, report staged progress, and
-digest the weights the worker serves."""
+called by name through `collective_rpc`: abandon an update and digest the
+weights the worker serves."""
 
 from __future__ import annotations
 
@@ -25,11 +25,6 @@ class RlserveWorkerExtension:
             # Close the worker's own session bookkeeping the way a finish would, without
             # loading anything (the staging backend's finish is a no-op once aborted).
             self.finish_weight_update()
-
-    def rlserve_update_progress(self) -> dict[str, int]:
-        engine = getattr(self, "weight_transfer_engine", None)
-        summary = getattr(engine, "staged_summary", None)
-        return summary() if summary is not None else {"num_tensors": 0, "num_bytes": 0}
 
     def rlserve_weight_checksums(self) -> dict[str, Any]:
         """Per-tensor digests (HF checkpoint names) of the weights this worker serves: the
