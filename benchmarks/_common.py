@@ -319,6 +319,7 @@ async def http_healthy(session, base_url: str) -> None:
 
 # --- the run loop both server benchmarks share -----------------------------------------------
 
+
 async def prepare_run(args) -> Path:
     """SIGTERM cancels like Ctrl-C (so every started server is stopped on the way out); make
     the work directory and, without --model, the benchmark model in it."""

@@ -68,8 +68,9 @@ async def check_pause_cycle(is_paused: Callable[[], Awaitable[bool]], pause: Cal
         raise RuntimeError(f"expected is_paused False, True, False around pause/resume; got {states}")
 
 
-async def measure(is_paused: Callable[[], Awaitable[bool]], pause: Call, resume: Call,
-                  floor: Call | None, args: argparse.Namespace) -> dict:
+async def measure(
+    is_paused: Callable[[], Awaitable[bool]], pause: Call, resume: Call, floor: Call | None, args: argparse.Namespace
+) -> dict:
     await check_pause_cycle(is_paused, pause, resume)
 
     async def pause_resume() -> None:
@@ -92,16 +93,23 @@ async def with_foreign_cpu(pid: int, measuring: Awaitable[dict]) -> dict:
     hypervisor's steal: with sub-millisecond calls on 2 cores, either one skews the figures."""
     frontend, client = psutil.Process(pid), psutil.Process()
     before, client_before, (busy_before, steal_before) = (
-        common.cpu_snapshot(frontend), common.cpu_s(client), common.machine_cpu_s())
+        common.cpu_snapshot(frontend),
+        common.cpu_s(client),
+        common.machine_cpu_s(),
+    )
     result = await measuring
     cpu = common.cpu_snapshot(frontend).minus(before)
     ours = cpu.frontend_s + cpu.engine_s + cpu.helper_s + common.cpu_s(client) - client_before
     busy, steal = common.machine_cpu_s()
-    return {**result, "foreign_cpu_s": round(busy - busy_before - ours, 3),
-            "steal_cpu_s": round(steal - steal_before, 3)}
+    return {
+        **result,
+        "foreign_cpu_s": round(busy - busy_before - ours, 3),
+        "steal_cpu_s": round(steal - steal_before, 3),
+    }
 
 
 # --- systems -------------------------------------------------------------------------------
+
 
 async def grpc_system(cmd: list[str], port: int, log_path: Path, args: argparse.Namespace) -> dict:
     import grpc
@@ -167,8 +175,7 @@ async def run_system(name: str, args: argparse.Namespace, work_dir: Path) -> dic
     started = time.perf_counter()
     if name == "rlserve":
         port = common.free_port()
-        cmd = [sys.executable, "-m", "rlserve", "serve", "--model", args.model, "--port", str(port),
-               *ENGINE_FLAGS]
+        cmd = [sys.executable, "-m", "rlserve", "serve", "--model", args.model, "--port", str(port), *ENGINE_FLAGS]
         result = await grpc_system(cmd, port, log_path, args)
     elif name == "vllm_rs":
         binary = common.vllm_rs_binary(work_dir)
@@ -176,20 +183,43 @@ async def run_system(name: str, args: argparse.Namespace, work_dir: Path) -> dic
             return {**info, "unavailable": binary}
         python = common.python_with_vllm_dist(work_dir)
         grpc_port, http_port = common.free_port(), common.free_port()
-        cmd = [str(binary), "serve", args.model, "--port", str(http_port), "--grpc-port", str(grpc_port),
-               "--python", str(python), *ENGINE_FLAGS]
+        cmd = [
+            str(binary),
+            "serve",
+            args.model,
+            "--port",
+            str(http_port),
+            "--grpc-port",
+            str(grpc_port),
+            "--python",
+            str(python),
+            *ENGINE_FLAGS,
+        ]
         result = await grpc_system(cmd, grpc_port, log_path, args)
     else:
         port = common.free_port()
         # The dev routes (/pause, /resume, /is_paused) exist only with VLLM_SERVER_DEV_MODE=1.
-        cmd = ["env", "VLLM_SERVER_DEV_MODE=1", sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", args.model, "--host", "127.0.0.1", "--port", str(port), *ENGINE_FLAGS]
+        cmd = [
+            "env",
+            "VLLM_SERVER_DEV_MODE=1",
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            args.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *ENGINE_FLAGS,
+        ]
         result = await http_system(cmd, port, log_path, args)
     info["elapsed_s"] = round(time.perf_counter() - started, 1)
     return {**result, **info}
 
 
 # --- driver --------------------------------------------------------------------------------
+
 
 def ratios(systems: dict) -> dict:
     def p50(system: str, call: str) -> float | None:
@@ -211,9 +241,15 @@ async def main(args: argparse.Namespace) -> dict:
     work_dir = await common.prepare_run(args)
     systems = await common.run_each("system", args.systems, lambda name: run_system(name, args, work_dir))
     return {
-        "benchmark": "control_latency", "model": args.model, "num_warmup": args.num_warmup,
-        "num_samples": args.num_samples, "num_pairs": args.num_pairs, "cpu_count": os.cpu_count(),
-        "systems": systems, "ratios": ratios(systems), "targets": TARGETS,
+        "benchmark": "control_latency",
+        "model": args.model,
+        "num_warmup": args.num_warmup,
+        "num_samples": args.num_samples,
+        "num_pairs": args.num_pairs,
+        "cpu_count": os.cpu_count(),
+        "systems": systems,
+        "ratios": ratios(systems),
+        "targets": TARGETS,
     }
 
 
@@ -224,8 +260,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-samples", type=int, default=300, help="timed IsPaused and health calls")
     p.add_argument("--num-pairs", type=int, default=100, help="timed pause+resume pairs")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "rlserve-bench"),
-                   help="models, logs, the vllm-rs binary and the vllm shim venv go here")
+    p.add_argument(
+        "--work-dir",
+        default=str(Path(tempfile.gettempdir()) / "rlserve-bench"),
+        help="models, logs, the vllm-rs binary and the vllm shim venv go here",
+    )
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(args.systems) - set(SYSTEMS)

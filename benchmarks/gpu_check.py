@@ -60,7 +60,9 @@ def main() -> None:
             timed(results, "is_sleeping_1", lambda: ctl.IsSleeping(cpb.IsSleepingRequest()))
             timed(results, "wake_weights", lambda: ctl.WakeUp(cpb.WakeUpRequest(tags=["weights"])))
             timed(results, "wake_kv_cache", lambda: ctl.WakeUp(cpb.WakeUpRequest(tags=["kv_cache"])))
-            text = timed(results, "generate_after_level_1", lambda: c.generate("The capital of France is", max_new_tokens=8))
+            text = timed(
+                results, "generate_after_level_1", lambda: c.generate("The capital of France is", max_new_tokens=8)
+            )
             results["text_after_level_1"] = text.outputs.text if text else None
             timed(results, "sleep_2", lambda: ctl.Sleep(cpb.SleepRequest(level=2)))
             timed(results, "wake_all", lambda: ctl.WakeUp(cpb.WakeUpRequest()))

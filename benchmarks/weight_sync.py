@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -30,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import child_env, free_port, median, stop_tree, tail  # noqa: E402
 
 from rlserve.client import Client  # noqa: E402
+from rlserve.trainer import WeightSync  # noqa: E402
 from rlserve.transfer.gloo_group import GlooGroup  # noqa: E402
 from rlserve.transfer.protocol import TensorMeta, plan_buckets  # noqa: E402
-from rlserve.trainer import WeightSync  # noqa: E402
 
 BUCKET_BYTES = 64 * 2**20
 
@@ -70,6 +71,7 @@ def nbytes(weights: dict[str, torch.Tensor]) -> int:
 
 # --- floor: a raw broadcast of the same buckets --------------------------------------------
 
+
 def _receiver(port: int, sizes: list[int], rounds: int) -> None:
     group = GlooGroup.join("127.0.0.1", port, 1, 2, 60.0)
     for _ in range(rounds):
@@ -98,25 +100,36 @@ def floor_seconds(weights: dict[str, torch.Tensor], repeats: int) -> float:
 
 # --- rlserve and per-tensor: the SDK against a real server ----------------------------------
 
+
 def serve(model_dir: Path, work: Path, backend: bool = True) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "rlserve", "serve", "--model", str(model_dir), "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", "0.5"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlserve",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--kv-cache-gib",
+        "0.5",
+    ]
     if backend:
         cmd += ["--weight-transfer-backend", "rlserve_gloo"]
     log_file = (work / f"server-{port}.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=log_file, env=child_env(), start_new_session=True)
     target = f"127.0.0.1:{port}"
     with Client(target) as c:
-        deadline = time.time() + 600
-        while True:  # health turns SERVING once the engine is up (bounded by the deadline)
-            try:
-                c.server_info()
-                break
-            except Exception:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"server did not start:\n{tail(work / f'server-{port}.log')}")
-                time.sleep(1)
+        try:
+            c.wait_ready(timeout_s=600)
+        except grpc.RpcError as e:
+            raise RuntimeError(f"server did not start:\n{tail(work / f'server-{port}.log')}") from e
     return proc, target
 
 
@@ -135,6 +148,7 @@ def sdk_seconds(target: str, weights: dict[str, torch.Tensor], repeats: int, per
 
 
 # --- checkpoint: save safetensors, vLLM reloads them ----------------------------------------
+
 
 def _checkpoint_engine(model_dir: str, conn) -> None:
     import asyncio
@@ -161,7 +175,7 @@ def checkpoint_seconds(model_dir: Path, weights: dict[str, torch.Tensor], repeat
     proc.start()
     assert parent.recv() == "ready"
     totals, saves = [], []
-    for i in range(repeats + 1):
+    for _ in range(repeats + 1):
         ckpt = Path(tempfile.mkdtemp(dir=work, prefix="ckpt-"))
         for f in model_dir.iterdir():  # config and tokenizer travel with the weights
             if f.suffix != ".safetensors":

@@ -11,10 +11,10 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
+from tiny_model import make_tiny_model
 
 from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
 from rlserve.config import EngineConfig, ServeConfig
-from tiny_model import make_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -217,17 +217,21 @@ async def test_sleep_and_wake_fail_closed_on_cpu(control):
     assert not (await control.IsPaused(cpb.IsPausedRequest())).paused, "a refused Sleep changes nothing"
 
 
-async def test_resume_during_a_wait_pause_supersedes_it(control, lifecycle, inference):
+async def test_resume_during_a_wait_drain_is_refused_and_the_drain_completes(control, lifecycle, inference):
+    """vLLM cannot resume a data-parallel engine in the middle of a pause, so rlserve refuses
+    it for every engine count: the drain is the caller's to wait for (or to ABORT)."""
     calls, firsts = await started_streams(inference, 2, max_new_tokens=120)
     pausing = asyncio.create_task(pause(control, WAIT))
     await wait_for_phase(lifecycle, lpb.PAUSE_PHASE_PAUSING)
-    await control.ResumeGeneration(cpb.ResumeGenerationRequest())
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await pausing
-    assert e.value.code() == grpc.StatusCode.ABORTED
+        await control.ResumeGeneration(cpb.ResumeGenerationRequest())
+    assert e.value.code() == grpc.StatusCode.ABORTED and "draining" in e.value.details()
+    await pausing
     for c, f in zip(calls, firsts):
         tokens, last = await finish(c, f)
-        assert last.finish_info.finish_reason == pb.FinishInfo.LENGTH
+        assert last.finish_info.finish_reason == pb.FinishInfo.LENGTH and len(tokens) == 120
+    state = await lifecycle.GetState(lpb.GetStateRequest())
+    assert state.pause_phase == lpb.PAUSE_PHASE_PAUSED and state.pause_mode == WAIT
 
 
 async def test_abort_over_a_running_wait_applies_to_what_is_left(control, lifecycle, inference):

@@ -7,9 +7,9 @@ import asyncio
 
 import grpc
 import pytest
+from conftest import eventually
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import eventually
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import inference_pb2 as pb
 from rlserve.client import generate_request

@@ -24,9 +24,9 @@ from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
 from rlserve.client import Client, generate_request
 from rlserve.config import EngineConfig, ServeConfig
+from rlserve.trainer import WeightSync
 from rlserve.transfer.gloo_group import GlooGroup
 from rlserve.transfer.protocol import ChunkInfo, TensorMeta, combined_checksum, tensor_checksum
-from rlserve.trainer import WeightSync
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 TRAINER = Path(__file__).with_name("trainer_process.py")
@@ -220,7 +220,8 @@ async def test_trainer_killed_mid_transfer_leaves_the_old_weights(target, stubs,
     assert (await control.GetWeightVersion(cpb.GetWeightVersionRequest())).weight_version == version
     # A new trainer re-initializes the transport and syncs normally.
     rc, stats, err = await run_trainer(target, weights, "after-crash")
-    assert rc == 0, err and stats["weight_version"] == "after-crash"
+    assert rc == 0, err
+    assert stats["weight_version"] == "after-crash"
 
 
 class HandTrainer:
@@ -243,7 +244,7 @@ class HandTrainer:
             cpb.UpdateWeightsRequest(update_info_json=json.dumps(chunk).encode()),
         )
         if tensors is not None:
-            group: GlooGroup = self.sync._group  # noqa: SLF001 - this double drives the group itself
+            group: GlooGroup = self.sync._group
             go = await asyncio.to_thread(group.vote, vote)
             if go:
                 flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
@@ -367,10 +368,11 @@ async def test_wrong_state_rows(stubs, target, baseline):
         await expect(PRECONDITION, control.StartDraftWeightUpdate(cpb.StartDraftWeightUpdateRequest()))
         await control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
         await expect(grpc.StatusCode.ABORTED, control.StartWeightUpdate(cpb.StartWeightUpdateRequest()))
+        valid = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2}
         await expect(
             grpc.StatusCode.ABORTED,
             control.InitWeightTransferEngine(
-                cpb.InitWeightTransferEngineRequest(init_info_json=b'{"master_address": "127.0.0.1"}')
+                cpb.InitWeightTransferEngineRequest(init_info_json=json.dumps(valid).encode())
             ),
         )
         await expect(INVALID, control.FinishWeightUpdate(cpb.FinishWeightUpdateRequest(weight_version="")))

@@ -13,8 +13,8 @@ import os
 from safetensors.torch import load_file
 
 from rlserve.client import Client
-from rlserve.transfer.gloo_group import GlooGroup
 from rlserve.trainer import WeightSync
+from rlserve.transfer.gloo_group import GlooGroup
 
 
 def main() -> None:

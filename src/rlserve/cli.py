@@ -9,6 +9,14 @@ from pathlib import Path
 
 from rlserve.config import DTYPES, EngineConfig, ServeConfig, default_cache_dir
 
+# The dataclasses own the defaults; the CLI shows them.
+_ENGINE = EngineConfig.__dataclass_fields__
+_SERVE = ServeConfig.__dataclass_fields__
+
+
+def _default(fields: dict, name: str) -> object:
+    return fields[name].default
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlserve", description=__doc__)
@@ -25,12 +33,40 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enforce-eager", action="store_true")
     s.add_argument("--weight-transfer-backend", default="", help="rlserve_gloo (CPU or GPU), or vLLM's nccl, ipc, ...")
     s.add_argument("--enable-sleep-mode", action="store_true")
-    s.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"))
+    s.add_argument("--scheduling-policy", default=_default(_ENGINE, "scheduling_policy"), choices=("fcfs", "priority"))
     s.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (CPU default: 1 GiB)")
     s.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="converted models live here")
-    s.add_argument("--shutdown-grace-s", type=float, default=10.0)
-    s.add_argument("--max-held-requests", type=int, default=4096, help="requests held while paused")
-    s.add_argument("--transfer-timeout-s", type=float, default=60.0, help="weight-transfer deadline")
+    s.add_argument("--shutdown-grace-s", type=float, default=_default(_SERVE, "shutdown_grace_s"))
+    s.add_argument(
+        "--max-held-requests",
+        type=int,
+        default=_default(_SERVE, "max_held_requests"),
+        help="requests held while paused",
+    )
+    s.add_argument(
+        "--max-held-bytes", type=int, default=_default(_SERVE, "max_held_bytes"), help="their estimated size, in all"
+    )
+    s.add_argument(
+        "--transfer-timeout-s",
+        type=float,
+        default=_default(_SERVE, "transfer_timeout_s"),
+        help="cap on every weight-transfer deadline (a trainer's timeout_s may only lower it)",
+    )
+    s.add_argument(
+        "--update-lease-s",
+        type=float,
+        default=None,
+        help="an update session with no call for this long is aborted (default: the transfer timeout)",
+    )
+    s.add_argument(
+        "--engine-hang-timeout-s",
+        type=float,
+        default=_default(_ENGINE, "hang_timeout_s"),
+        help="an engine that answers nothing for this long is declared dead (health NOT_SERVING)",
+    )
+    s.add_argument(
+        "--max-message-bytes", type=int, default=_default(_SERVE, "max_message_bytes"), help="largest gRPC message"
+    )
     return parser
 
 
@@ -55,14 +91,18 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         enable_sleep_mode=args.enable_sleep_mode,
         scheduling_policy=args.scheduling_policy,
         kv_cache_gib=args.kv_cache_gib,
+        hang_timeout_s=args.engine_hang_timeout_s,
     )
     return ServeConfig(
         engine=engine,
         host=args.host,
         port=args.port,
         shutdown_grace_s=args.shutdown_grace_s,
+        max_message_bytes=args.max_message_bytes,
         max_held_requests=args.max_held_requests,
+        max_held_bytes=args.max_held_bytes,
         transfer_timeout_s=args.transfer_timeout_s,
+        update_lease_s=args.update_lease_s,
     )
 
 

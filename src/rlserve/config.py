@@ -28,6 +28,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     kv_cache_gib: float | None = None
+    # An engine that answers nothing for this long is declared dead (health NOT_SERVING);
+    # set it above the longest engine step the model and batch limits allow.
+    hang_timeout_s: float = 60.0
     extra_engine_args: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -43,6 +46,8 @@ class EngineConfig:
             raise ValueError("data_parallel_size must be >= 1")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be positive")
+        if self.hang_timeout_s <= 0:
+            raise ValueError("hang_timeout_s must be positive")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
 
@@ -54,26 +59,73 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """What one request may carry. A breach is refused with INVALID_ARGUMENT naming the field
+    and the limit; each bound keeps one request from costing the server seconds or memory."""
+
+    max_prompt_text_bytes: int = 1 << 20
+    # Before truncate_prompt_tokens; the model's context bounds what is left after it.
+    max_prompt_token_ids: int = 1 << 18
+    max_stop_strings: int = 64
+    max_stop_string_bytes: int = 1024
+    # stop_token_ids, allowed_token_ids, candidate token ids.
+    max_token_id_list: int = 1 << 16
+    max_logit_bias_entries: int = 4096
+    max_choices: int = 1024
+    # A JSON schema, regex, grammar or structural tag (compiled by the engine), or all choices.
+    max_structured_spec_bytes: int = 1 << 16
+    max_native_json_bytes: int = 1 << 16
+    max_num_sequences: int = 64
+    # request_id, model, cache_salt, each Abort id.
+    max_id_bytes: int = 256
+    max_abort_ids: int = 4096
+    # init_info_json / update_info_json of the weight-transfer RPCs.
+    max_transfer_info_bytes: int = 16 << 20
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value <= 0:
+                raise ValueError(f"{name} must be positive")
+
+
+DEFAULT_TRANSFER_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 50051
     shutdown_grace_s: float = 10.0
-    max_message_bytes: int = 64 * 1024 * 1024
-    # Generation requests held while paused; more get RESOURCE_EXHAUSTED.
+    max_message_bytes: int = 16 * 1024 * 1024
+    # Generation requests held while paused, by count and by prompt bytes; more get
+    # RESOURCE_EXHAUSTED.
     max_held_requests: int = 4096
-    # Default deadline for weight-transfer rendezvous and each transfer step.
-    transfer_timeout_s: float = 60.0
+    max_held_bytes: int = 1 << 30
+    # The cap on every weight-transfer deadline (rendezvous, each chunk, commit) and the idle
+    # lease of an update session; a caller's timeout_s may only lower it.
+    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
+    # The idle lease of an open update session (None: transfer_timeout_s): a session that
+    # sees no call for this long is aborted, so a trainer that died cannot pause the server.
+    update_lease_s: float | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: {self.port} is out of range 0..65535")
-        if self.transfer_timeout_s <= 0:
-            raise ValueError("transfer_timeout_s must be positive")
+        for name in ("transfer_timeout_s", "max_message_bytes", "max_held_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.update_lease_s is not None and self.update_lease_s <= 0:
+            raise ValueError("update_lease_s must be positive")
         if self.max_held_requests < 0:
             raise ValueError("max_held_requests must be >= 0")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
+
+    @property
+    def lease_s(self) -> float:
+        return self.update_lease_s if self.update_lease_s is not None else self.transfer_timeout_s
 
 
 def default_cache_dir() -> Path:

@@ -19,6 +19,14 @@ class InvalidRequest(RlserveError):
         self.field = field
 
 
+class LimitExceeded(InvalidRequest):
+    """A field larger than the server's configured bound for it."""
+
+    def __init__(self, field: str, size: int, unit: str, limit_name: str, limit: int) -> None:
+        super().__init__(field, f"has {size} {unit}, more than this server's {limit_name}={limit}")
+        self.limit_name = limit_name
+
+
 class UnknownModel(InvalidRequest):
     def __init__(self, model: str, served: tuple[str, ...]) -> None:
         super().__init__("model", f"unknown model {model!r}; this server serves {list(served)}")
@@ -66,8 +74,8 @@ class VersionMismatch(ConcurrentChange):
         super().__init__(f"weight version is {actual!r}, not the expected {expected!r}; nothing changed")
 
 
-class PauseSuperseded(ConcurrentChange):
-    pass
+class PauseDraining(ConcurrentChange):
+    """A WAIT pause has not drained yet; the engine cannot be resumed in the middle of it."""
 
 
 class TooManyHeldRequests(Overloaded):
@@ -93,3 +101,8 @@ class UpdateInProgress(ConcurrentChange):
 
 class TransferTimeout(RlserveError):
     """A rendezvous or transfer with the trainer ran out of time (or the trainer vanished)."""
+
+
+class CommitFailed(RlserveError):
+    """Loading staged weights into the model failed half way; the served weights are then
+    inconsistent until a complete update succeeds. Not a client mistake: INTERNAL."""

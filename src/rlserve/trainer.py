@@ -1,9 +1,12 @@
 """The trainer SDK: push a `torch.nn.Module`'s weights into one rlserve server.
 
-`WeightSync.init()` performs the rendezvous (the server RPC and the trainer's side at once);
-`sync()` runs pause -> start -> chunks (RPC and broadcast concurrently) -> finish -> resume,
-then checks the server's checksums against its own. On failure it aborts the session,
-resumes on the old weights where that is safe, and raises `WeightSyncError`.
+`WeightSync.sync()` runs pause -> start -> chunks (RPC and broadcast concurrently) ->
+finish -> resume, then checks the digests of what the server serves against its own. It
+(re)does the rendezvous when the server has no usable transport (first use, a server
+restart, a transfer that broke half way). Every RPC carries a deadline, and a refusal by the
+server surfaces at once with the server's reason, also while the trainer waits in a
+collective. On failure it aborts the session, resumes on the old weights where that is
+safe, and raises `WeightSyncError`.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,19 +24,28 @@ import torch
 from rlserve.api.rlserve.v1 import lifecycle_pb2, lifecycle_pb2_grpc
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.client import Client
+from rlserve.config import DEFAULT_TRANSFER_TIMEOUT_S
 from rlserve.transfer.gloo_group import GlooGroup
 from rlserve.transfer.protocol import (
     DEFAULT_BUCKET_BYTES,
-    DEFAULT_TIMEOUT_S,
     ChunkInfo,
     TensorMeta,
     combined_checksum,
     plan_buckets,
     tensor_checksum,
 )
+from rlserve.types import PauseMode
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024 * 1024
-PAUSE_MODES = {"abort": cpb.PAUSE_MODE_ABORT, "wait": cpb.PAUSE_MODE_WAIT, "keep": cpb.PAUSE_MODE_KEEP}
+# A chunk's deadline grows with its size, as the server's does: one timeout per 256 MiB.
+BYTES_PER_TIMEOUT = 256 * 2**20
+# On top of the server's own deadline, so the server's reason arrives before ours expires.
+RPC_MARGIN_S = 10.0
+PAUSE_MODES = {
+    PauseMode.ABORT: cpb.PAUSE_MODE_ABORT,
+    PauseMode.WAIT: cpb.PAUSE_MODE_WAIT,
+    PauseMode.KEEP: cpb.PAUSE_MODE_KEEP,
+}
 
 NamedTensors = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -68,22 +80,32 @@ class WeightSync:
         *,
         master_address: str = "127.0.0.1",
         master_port: int = 0,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        rpc_timeout_s: float = 30.0,
+        pause_timeout_s: float = 600.0,
     ) -> None:
+        """`timeout_s` bounds the rendezvous and each transfer step (the server may lower
+        it); `rpc_timeout_s` every other RPC but the pause, which may wait for requests to
+        drain (WAIT) for up to `pause_timeout_s`."""
         if bucket_bytes <= 0 or chunk_bytes < bucket_bytes:
             raise ValueError("need 0 < bucket_bytes <= chunk_bytes")
         self._client = client
         self._lifecycle = lifecycle_pb2_grpc.LifecycleStub(client.channel)
         self._address, self._port, self._timeout_s = master_address, master_port, timeout_s
         self._bucket_bytes, self._chunk_bytes = bucket_bytes, chunk_bytes
+        self._rpc_timeout_s, self._pause_timeout_s = rpc_timeout_s, pause_timeout_s
         self._group: GlooGroup | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-sync-rpc")
+        # An RPC and a collective at a time, plus room for a collective abandoned after a
+        # refusal, which ends only at its own deadline.
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlserve-sync")
 
     def init(self) -> None:
-        """Rendezvous with every inference worker (the server's RPC runs concurrently)."""
-        info = self._client.server_info()
+        """Rendezvous with every inference worker (the server's RPC runs concurrently).
+        `sync()` calls it when needed; call it first to pay for it outside the first sync."""
+        self._group = None
+        info = self._client.control.GetServerInfo(cpb.GetServerInfoRequest(), timeout=self._rpc_timeout_s)
         world_size = 1 + info.parallelism.world_size * max(1, info.parallelism.data_parallel_size)
         store = GlooGroup.host_store(self._address, self._port, world_size, self._timeout_s)
         init_info = {
@@ -93,44 +115,55 @@ class WeightSync:
             "world_size": world_size,
             "timeout_s": self._timeout_s,
         }
+        request = cpb.InitWeightTransferEngineRequest(init_info_json=json.dumps(init_info).encode())
         rpc = self._pool.submit(
-            self._client.control.InitWeightTransferEngine,
-            cpb.InitWeightTransferEngineRequest(init_info_json=json.dumps(init_info).encode()),
+            self._client.control.InitWeightTransferEngine, request, timeout=self._timeout_s + RPC_MARGIN_S
         )
-        try:
-            self._group = GlooGroup(store, 0, world_size, self._timeout_s)
-        finally:
-            rpc.result()
+        join = self._pool.submit(GlooGroup, store, 0, world_size, self._timeout_s)
+        self._group = _first_failure_wins(rpc, join)
 
     def sync(
-        self, weights: NamedTensors, version: str, *, pause_mode: str = "keep", progress: bool = False
+        self,
+        weights: NamedTensors,
+        version: str,
+        *,
+        pause_mode: PauseMode | str = PauseMode.KEEP,
+        verify: bool = True,
+        progress: bool = False,
     ) -> SyncStats:
-        """Push `weights` (names as in the served HF checkpoint) and publish `version`."""
-        if self._group is None:
-            raise RuntimeError("call init() before sync()")
+        """Push `weights` (names as in the served HF checkpoint; a subset updates only those)
+        and publish `version`."""
+        mode = PauseMode(pause_mode)
         tensors = dict(_named_tensors(weights))
-        control = self._client.control
+        chunks = _plan_chunks(tensors, self._chunk_bytes, self._bucket_bytes)
+        num_bytes = sum(c.num_bytes for c in chunks)
+        if self._group is None or not self._server_transport_ready():
+            self.init()
+        control, rpc_s = self._client.control, self._rpc_timeout_s
         t_pause = time.perf_counter()
-        control.PauseGeneration(cpb.PauseGenerationRequest(mode=PAUSE_MODES[pause_mode]))
+        control.PauseGeneration(cpb.PauseGenerationRequest(mode=PAUSE_MODES[mode]), timeout=self._pause_timeout_s)
         try:
-            control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+            control.StartWeightUpdate(cpb.StartWeightUpdateRequest(), timeout=rpc_s)
             t0 = time.perf_counter()
-            chunks = _plan_chunks(tensors, self._chunk_bytes, self._bucket_bytes)
-            bar = _progress_bar(sum(t.num_bytes for c in chunks for t in c.tensors), progress)
-            for chunk in chunks:
-                self._send_chunk(chunk, tensors, bar)
-            bar.close()
+            bar = _progress_bar(num_bytes, progress)
+            try:
+                for chunk in chunks:
+                    self._send_chunk(chunk, tensors, bar)
+            finally:
+                bar.close()
             transfer_s = time.perf_counter() - t0
-            control.FinishWeightUpdate(cpb.FinishWeightUpdateRequest(weight_version=version))
+            finish = cpb.FinishWeightUpdateRequest(weight_version=version)
+            control.FinishWeightUpdate(finish, timeout=self._step_timeout_s(num_bytes))
         except Exception as e:
             raise self._recover(e) from e
-        control.ResumeGeneration(cpb.ResumeGenerationRequest())
+        control.ResumeGeneration(cpb.ResumeGenerationRequest(), timeout=rpc_s)
         pause_to_resume_s = time.perf_counter() - t_pause
-        checksum = self._verify(tensors)
+        mine = {t.name: t.checksum for c in chunks for t in c.tensors}
+        checksum = self._verify(mine) if verify else combined_checksum(mine)
         return SyncStats(
             weight_version=version,
             num_tensors=len(tensors),
-            num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+            num_bytes=num_bytes,
             num_chunks=len(chunks),
             transfer_s=transfer_s,
             pause_to_resume_s=pause_to_resume_s,
@@ -139,15 +172,49 @@ class WeightSync:
 
     def close(self) -> None:
         self._group = None
-        self._pool.shutdown(wait=False)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _server_transport_ready(self) -> bool:
+        state = self._lifecycle.GetState(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
+        return state.transport_ready
+
+    def _step_timeout_s(self, num_bytes: int) -> float:
+        return self._timeout_s * (1 + num_bytes // BYTES_PER_TIMEOUT) + RPC_MARGIN_S
 
     def _send_chunk(self, chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor], bar: Any) -> None:
-        request = cpb.UpdateWeightsRequest(update_info_json=json.dumps(chunk.to_json()).encode())
-        rpc: Future = self._pool.submit(self._client.control.UpdateWeights, request)
         group = self._group
-        if group is None or not group.vote(True):
+        assert group is not None
+        request = cpb.UpdateWeightsRequest(update_info_json=json.dumps(chunk.to_json()).encode())
+        rpc: Future = self._pool.submit(
+            self._client.control.UpdateWeights, request, timeout=self._step_timeout_s(chunk.num_bytes)
+        )
+        vote = self._pool.submit(group.vote, True)
+        done, _ = wait((rpc, vote), return_when=FIRST_COMPLETED)
+        if vote not in done:
+            # The server answered before its workers voted: it refused the chunk outright.
+            # Our vote can no longer complete, so the group is out of step from here on.
+            self._group = None
+            rpc.result()
+            raise RuntimeError("the server ended UpdateWeights before receiving the chunk")
+        try:
+            go = vote.result()
+        except RuntimeError:
+            self._group = None
+            rpc.result()  # the server's reason, if it has one
+            raise
+        if not go:
             rpc.result()  # raises the server's reason
             raise RuntimeError("the server refused the chunk")
+        try:
+            self._broadcast(group, chunk, tensors, bar)
+        except RuntimeError:
+            self._group = None
+            rpc.result()
+            raise
+        rpc.result()
+
+    @staticmethod
+    def _broadcast(group: GlooGroup, chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor], bar: Any) -> None:
         buckets = plan_buckets(chunk.tensors, chunk.bucket_bytes)
         # Two buffers: fill the next bucket while the previous one is on the wire.
         spare = [torch.empty(chunk.bucket_bytes, dtype=torch.uint8) for _ in range(2)]
@@ -162,30 +229,43 @@ class WeightSync:
         for work, nbytes in in_flight:
             work.wait()
             bar.update(nbytes)
-        rpc.result()
 
     def _recover(self, error: Exception) -> WeightSyncError:
         """Abort the session; resume when the served weights are still the old ones."""
         reason = error.details() if isinstance(error, grpc.RpcError) else str(error)
         try:
-            self._lifecycle.AbortWeightUpdate(lifecycle_pb2.AbortWeightUpdateRequest())
-            state = self._lifecycle.GetState(lifecycle_pb2.GetStateRequest())
+            self._lifecycle.AbortWeightUpdate(lifecycle_pb2.AbortWeightUpdateRequest(), timeout=self._rpc_timeout_s)
+            state = self._lifecycle.GetState(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
             if state.weights_consistent and not state.asleep:
-                self._client.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+                self._client.control.ResumeGeneration(cpb.ResumeGenerationRequest(), timeout=self._rpc_timeout_s)
                 return WeightSyncError(f"weight sync failed, old weights kept: {reason}", resumed_on_old_weights=True)
         except grpc.RpcError as e:
             reason += f" (recovery failed too: {e.details()})"
         return WeightSyncError(f"weight sync failed: {reason}", resumed_on_old_weights=False)
 
-    def _verify(self, tensors: Mapping[str, torch.Tensor]) -> str:
-        served = self._lifecycle.GetWeightChecksum(lifecycle_pb2.GetWeightChecksumRequest())
-        mine = {name: tensor_checksum(t) for name, t in tensors.items()}
-        wrong = [n for n, d in mine.items() if served.per_tensor.get(n) != d]
+    def _verify(self, mine: Mapping[str, str]) -> str:
+        """The server's digests are read back from the model it serves: a tensor that did not
+        arrive, was loaded wrongly or is computed with a stale kernel shows up here."""
+        served = self._lifecycle.GetWeightChecksum(
+            lifecycle_pb2.GetWeightChecksumRequest(), timeout=self._rpc_timeout_s
+        )
+        wrong = sorted({n for n, d in mine.items() if served.per_tensor.get(n) != d} | set(served.inconsistent_tensors))
         if wrong:
             raise WeightSyncError(
-                f"the server serves different bytes for {wrong[:5]} after the sync", resumed_on_old_weights=False
+                f"the server serves different weights for {wrong[:5]} after the sync", resumed_on_old_weights=False
             )
-        return combined_checksum(dict(served.per_tensor))
+        return served.overall
+
+
+def _first_failure_wins(rpc: Future, join: Future) -> GlooGroup:
+    """The server's refusal (e.g. a bad init_info) or our side's failure, whichever comes
+    first; a refusal does not wait for our rendezvous to time out."""
+    done, _ = wait((rpc, join), return_when=FIRST_COMPLETED)
+    if rpc in done:
+        rpc.result()  # raises the server's reason
+    group = join.result()
+    rpc.result()
+    return group
 
 
 def _named_tensors(weights: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,6 +11,37 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
+class PauseMode(enum.Enum):
+    """How a pause treats in-flight requests; values are vLLM's spelling."""
+
+    KEEP = "keep"  # freeze them, continue after resume
+    WAIT = "wait"  # let them finish
+    ABORT = "abort"  # end them now with their partial output
+
+    @property
+    def strength(self) -> int:
+        """A pause in a stronger mode applies to what a weaker one left (ABORT > WAIT > KEEP)."""
+        return _PAUSE_STRENGTH[self]
+
+
+_PAUSE_STRENGTH = {PauseMode.KEEP: 0, PauseMode.WAIT: 1, PauseMode.ABORT: 2}
+
+
+class PausePhase(enum.Enum):
+    RUNNING = 1
+    PAUSING = 2  # requested; the engine is not idle yet (a WAIT pause draining)
+    PAUSED = 3  # the engine is idle; new requests are held
+
+
+class SleepTag(enum.Enum):
+    WEIGHTS = "weights"
+    KV_CACHE = "kv_cache"
+    SCHEDULING = "scheduling"
+
+
+MEMORY_TAGS = frozenset({SleepTag.WEIGHTS, SleepTag.KV_CACHE})
+
+
 class StructuredOutputKind(enum.Enum):
     JSON_SCHEMA = "json"
     REGEX = "regex"
@@ -214,3 +245,14 @@ class EngineStatus:
     data_parallel_rank: int
     is_paused: bool
     weight_version: str
+
+
+@dataclass(frozen=True, slots=True)
+class ServedChecksums:
+    """Digests of the weights one engine serves, per checkpoint tensor; `inconsistent` names
+    tensors whose serving places (e.g. an embedding and the lm_head tied to it) disagree."""
+
+    algorithm: str
+    overall: str
+    per_tensor: Mapping[str, str]
+    inconsistent: tuple[str, ...] = ()

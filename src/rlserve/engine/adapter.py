@@ -1,29 +1,34 @@
 """The engine adapter: owns one vLLM `AsyncLLM` and speaks rlserve's domain types to it.
 
-It starts and stops the engine, runs generation, aborts requests and reports what the engine
-is (server/model info, capabilities). It holds no lifecycle state: pause, sleep and weight
-updates are the lifecycle controller's, which calls down into this adapter.
+It starts and stops the engine, validates and runs generation, aborts requests and reports
+what the engine is (server/model info, capabilities). Every call to the engine races the
+liveness monitor, so none outlives a dead engine. It holds no lifecycle state: pause, sleep
+and weight updates are the lifecycle controller's, which calls down into this adapter.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import vllm
-from vllm import AsyncEngineArgs, TokensPrompt
+from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
 from vllm.exceptions import VLLMClientError
+from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from rlserve import __version__
 from rlserve.config import EngineConfig
-from rlserve.engine.outputs import OutputTranslator
-from rlserve.engine.weight_transfer import EngineWeightTransfer
+from rlserve.engine.liveness import EngineMonitor
+from rlserve.engine.outputs import OutputTranslator, aborted_before_start
 from rlserve.engine.sampling import ModelLimits, build_prompt_token_ids, build_sampling_params
+from rlserve.engine.transport import WeightTransport, make_transport
 from rlserve.errors import EngineUnavailable, InvalidRequest, UnknownModel
 from rlserve.types import (
     EngineStatus,
@@ -32,6 +37,7 @@ from rlserve.types import (
     KvEventSource,
     ModelInfo,
     ParallelismInfo,
+    PauseMode,
     RlCapabilities,
     ServerInfo,
 )
@@ -40,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_GIB = 1.0
 WORKER_EXTENSION = "rlserve.transfer.worker_extension.RlserveWorkerExtension"
+# Held requests are accounted by an estimate of what they keep alive: a Python int per
+# prompt token plus the prompt text.
+BYTES_PER_HELD_TOKEN = 40
 
 
 def engine_args(config: EngineConfig) -> AsyncEngineArgs:
@@ -71,6 +80,20 @@ def engine_args(config: EngineConfig) -> AsyncEngineArgs:
     return AsyncEngineArgs(**kwargs)
 
 
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request the engine will accept: validated, tokenized, its sampling params built."""
+
+    params: GenerateParams
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+    @property
+    def num_bytes(self) -> int:
+        return BYTES_PER_HELD_TOKEN * len(self.prompt_token_ids)
+
+
 class EngineAdapter:
     def __init__(self, llm: AsyncLLM, config: EngineConfig) -> None:
         self._llm = llm
@@ -85,9 +108,18 @@ class EngineAdapter:
             default_sampling=vc.model_config.get_diff_sampling_param(),
         )
         self._tokenizer = llm.get_tokenizer()
-        self.weights = EngineWeightTransfer(llm)
         self._is_multimodal = vc.model_config.is_multimodal_model
         self._eos_token_id = getattr(self._tokenizer, "eos_token_id", None)
+        core = llm.engine_core
+        self.monitor = EngineMonitor(
+            lambda: core.call_utility_all_async("get_weight_version"), hang_timeout_s=config.hang_timeout_s
+        )
+        self._streams: set[RequestStream] = set()
+        self.monitor.on_dead(self._fail_streams)
+        pc = vc.parallel_config
+        self.transport: WeightTransport | None = make_transport(
+            llm, config.weight_transfer_backend, self.monitor, pc.world_size * pc.data_parallel_size
+        )
 
     @classmethod
     def start(cls, config: EngineConfig) -> EngineAdapter:
@@ -97,90 +129,112 @@ class EngineAdapter:
 
     @property
     def llm(self) -> AsyncLLM:
+        """The vLLM engine itself, for tests and benchmarks that compare rlserve with it."""
         return self._llm
 
     def shutdown(self) -> None:
+        self.monitor.stop()
         self._llm.shutdown()
 
-    async def generate(
-        self, params: GenerateParams, admit: Callable[[], Awaitable[None]] | None = None
-    ) -> AsyncIterator[GenerateChunk]:
-        """Run one request; raises InvalidRequest/UnknownModel before anything is yielded,
-        EngineUnavailable when the engine dies. Cancelling the iteration aborts the request.
-        `admit` is awaited after validation and before the engine sees the request (the
-        lifecycle controller holds requests there while generation is paused)."""
+    async def close(self) -> None:
+        if self.transport is not None:
+            await self.transport.close()
+
+    # Generation ---------------------------------------------------------------------------
+
+    async def prepare(self, params: GenerateParams) -> PreparedRequest:
+        """Everything the engine would refuse is refused here, before the request is held or
+        sent: InvalidRequest / UnknownModel naming the field."""
         self._check_model(params.model)
-        prompt_ids = build_prompt_token_ids(params, self._tokenizer, self._limits)
+        prompt_ids = await build_prompt_token_ids(params, self._tokenizer, self._limits)
         sampling = build_sampling_params(params, len(prompt_ids), self._limits)
-        if not params.is_stream and sampling.n > 1:
-            raise InvalidRequest("native_sampling_params_json", "n > 1 needs GenerateStream")
-        prompt = TokensPrompt(prompt_token_ids=prompt_ids)
-        if params.cache_salt:
-            prompt["cache_salt"] = params.cache_salt
-        if admit is not None:
-            await admit()
-        translator = OutputTranslator(params, self._eos_token_id)
-        stream = self._llm.generate(prompt, sampling, params.request_id or uuid.uuid4().hex, priority=params.priority)
+        return PreparedRequest(params, params.request_id or uuid.uuid4().hex, prompt_ids, sampling)
+
+    async def submit(self, request: PreparedRequest) -> RequestStream:
+        """Hand the request to the engine; it runs from now on, also while nobody reads."""
+        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        if request.params.cache_salt:
+            prompt["cache_salt"] = request.params.cache_salt
+        if self.monitor.is_dead:
+            raise EngineUnavailable(self.monitor.reason)
         try:
-            async for out in stream:
-                for chunk in translator.translate(out):
-                    yield chunk
+            # Sending never waits on the engine, so a hung engine cannot hold this call.
+            collector = await self._llm.add_request(
+                request.request_id, prompt, request.sampling, priority=request.params.priority
+            )
         except VLLMClientError as e:
-            raise InvalidRequest("", str(e)) from e
-        except ValueError as e:
             raise InvalidRequest("", str(e)) from e
         except EngineDeadError as e:
             raise EngineUnavailable("the engine died; restart the server") from e
-        finally:
-            await stream.aclose()
+        translator = OutputTranslator(request.params, self._eos_token_id)
+        return RequestStream(collector, translator, self._streams, self._abort_internal)
+
+    def aborted_before_start(self, request: PreparedRequest) -> list[GenerateChunk]:
+        """The terminal chunks of a request aborted while it was held (it never ran)."""
+        return aborted_before_start(request.params, len(request.prompt_token_ids))
 
     async def abort(self, request_ids: Iterable[str]) -> None:
         """Abort requests by the client's ids; unknown ids are ignored."""
         ids = [i for i in request_ids if i]
         if ids:
-            await self._llm.abort(ids)
+            await self.monitor.guard(self._llm.abort(ids))
+
+    async def _abort_internal(self, internal_id: str) -> None:
+        """Abort one submitted request by vLLM's internal id, which is unique."""
+        if not self.monitor.is_dead:
+            await self._llm.abort(internal_id, internal=True)
+
+    def _fail_streams(self, reason: str) -> None:
+        """A hung engine sends nothing more: end every open stream with the reason (vLLM
+        does the same itself when the engine process dies)."""
+        for stream in self._streams:
+            stream.fail(EngineUnavailable(reason))
+        self._streams.clear()
 
     # Lifecycle operations: called only by the lifecycle controller, under its lock.
 
-    async def pause(self, mode: str, clear_cache: bool) -> None:
-        """Return once every engine is idle (no step running, device synchronized). Unlike
-        `AsyncLLM.pause_generation` there is no fixed sleep: the engine core's idle callback
-        is the signal. Aborted requests' final outputs may still be in flight to their
-        streams when this returns."""
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        """Return once every engine is idle (no step running, device synchronized): for WAIT
+        once the engine has finished its requests, whether or not their clients read them.
+        Unlike `AsyncLLM.pause_generation` there is no fixed sleep: the engine core's idle
+        callback is the signal."""
         if clear_cache and self._is_multimodal:
-            await self._llm.renderer.clear_mm_cache_async()
-        await self._llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
+            await self.monitor.guard(self._llm.renderer.clear_mm_cache_async())
+        await self.monitor.guard(self._llm.engine_core.pause_scheduler_async(mode=mode.value, clear_cache=clear_cache))
 
     async def resume(self) -> None:
-        await self._llm.resume_generation()
+        await self.monitor.guard(self._llm.resume_generation())
 
-    async def sleep(self, level: int, mode: str) -> None:
-        await self._llm.sleep(level, mode)
+    async def sleep(self, level: int, mode: PauseMode) -> None:
+        await self.monitor.guard(self._llm.sleep(level, mode.value))
 
     async def wake_up(self, tags: list[str] | None) -> bool:
         """Returns whether all memory is resident again (vLLM then resumes scheduling)."""
-        return await self._llm.wake_up(tags)
+        return await self.monitor.guard(self._llm.wake_up(tags))
 
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached KV block, also those of kept requests (they are recomputed on
         resume): after a weight update no old-weight state may be reused."""
-        return await self._llm.engine_core.reset_prefix_cache_async(reset_running_requests=True)
+        return await self.monitor.guard(self._llm.engine_core.reset_prefix_cache_async(reset_running_requests=True))
 
     async def set_weight_version(self, version: str) -> None:
-        await self._llm.update_weight_version(version)
+        await self.monitor.guard(self._llm.update_weight_version(version))
 
     async def weight_version(self) -> str:
-        return await self._llm.get_weight_version()
+        return await self.monitor.guard(self._llm.get_weight_version())
 
     async def engine_statuses(self) -> list[EngineStatus]:
         core = self._llm.engine_core
-        paused = await core.call_utility_all_async("is_scheduler_paused")
-        versions = await core.call_utility_all_async("get_weight_version")
+        paused = await self.monitor.guard(core.call_utility_all_async("is_scheduler_paused"))
+        versions = await self.monitor.guard(core.call_utility_all_async("get_weight_version"))
         first_rank = self._llm.vllm_config.parallel_config.data_parallel_rank
         return [EngineStatus(first_rank + i, bool(p), str(v)) for i, (p, v) in enumerate(zip(paused, versions))]
 
     def num_unfinished_requests(self) -> int:
+        """Requests the engine has not finished (the frontend's own count)."""
         return self._llm.get_num_unfinished_requests()
+
+    # Description --------------------------------------------------------------------------
 
     def _check_model(self, model: str) -> None:
         if model and model not in self._config.served_names:
@@ -212,14 +266,14 @@ class EngineAdapter:
 
     def capabilities(self) -> RlCapabilities:
         vc = self._llm.vllm_config
-        wt = vc.weight_transfer_config
+        transport = self.transport
         spec = vc.speculative_config
         has_draft = spec is not None and getattr(spec, "draft_model_config", None) is not None
         return RlCapabilities(
-            weight_transfer_enabled=wt is not None,
-            weight_transfer_backend=wt.backend if wt is not None else "",
+            weight_transfer_enabled=transport is not None,
+            weight_transfer_backend=transport.backend if transport is not None else "",
             sleep_mode_enabled=bool(vc.model_config.enable_sleep_mode) and current_platform.is_sleep_mode_available(),
-            draft_weight_updates_enabled=wt is not None and has_draft,
+            draft_weight_updates_enabled=transport is not None and not transport.stages_updates and has_draft,
         )
 
     def model_info(self) -> ModelInfo:
@@ -252,3 +306,46 @@ class EngineAdapter:
                 )
             )
         return tuple(sources)
+
+
+class RequestStream:
+    """The outputs of one submitted request. Closing it before its end aborts the request.
+    It is in `open_streams` until it ends, so a dead engine can fail it."""
+
+    def __init__(
+        self,
+        collector: Any,
+        translator: OutputTranslator,
+        open_streams: set[RequestStream],
+        abort: Callable[[str], Awaitable[None]],
+    ) -> None:
+        self._collector = collector
+        self._translator = translator
+        self._open_streams = open_streams
+        self._abort = abort
+        open_streams.add(self)
+
+    @property
+    def internal_id(self) -> str:
+        return self._collector.request_id
+
+    def fail(self, error: Exception) -> None:
+        self._collector.put(error)
+
+    async def chunks(self) -> AsyncIterator[GenerateChunk]:
+        finished = False
+        try:
+            while not finished:
+                # Drain without awaiting when an output is ready (fewer task switches).
+                out: RequestOutput | None = self._collector.get_nowait() or await self._collector.get()
+                finished = out.finished
+                for chunk in self._translator.translate(out):
+                    yield chunk
+        except EngineDeadError as e:
+            raise EngineUnavailable("the engine died; restart the server") from e
+        finally:
+            self._collector.close()
+            self._open_streams.discard(self)
+            if not finished:
+                # The client went away, or translating failed: the engine must not run on.
+                await asyncio.shield(self._abort(self.internal_id))

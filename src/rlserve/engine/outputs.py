@@ -25,7 +25,14 @@ from rlserve.types import (
     WeightVersionSpan,
 )
 
-FINISH_REASONS = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP, "abort": FinishReason.ABORTED}
+# Every finish vLLM reports but "error" (a retryable engine-side failure of the request, which
+# ends the call with UNAVAILABLE): repetition detection is a stop the engine decided on.
+FINISH_REASONS = {
+    "length": FinishReason.LENGTH,
+    "stop": FinishReason.STOP,
+    "repetition": FinishReason.STOP,
+    "abort": FinishReason.ABORTED,
+}
 NO_SCORES = TokenScores()
 
 
@@ -68,14 +75,14 @@ class OutputTranslator:
     def _finish(self, c: CompletionOutput, total: int, kv: dict | None) -> Finish:
         reason = FINISH_REASONS.get(c.finish_reason)  # type: ignore[arg-type]
         if reason is None:
-            raise EngineUnavailable(f"the engine failed the request ({c.finish_reason})")
+            raise EngineUnavailable(f"the engine failed the request ({c.finish_reason}); retry it")
         stop = c.stop_reason
         return Finish(
             num_output_tokens=total,
             reason=reason,
             stop_token_id=stop if isinstance(stop, int) else None,
             stop_string=stop if isinstance(stop, str) else None,
-            eos_token_id=self._eos_token_id if reason is FinishReason.STOP and stop is None else None,
+            eos_token_id=self._eos_token_id if c.finish_reason == "stop" and stop is None else None,
             kv_transfer_params=kv,
         )
 
@@ -108,3 +115,13 @@ def _scores(logprobs: Sequence[Any] | None, token_ids: Sequence[int], with_candi
             items = sorted((position or {}).items(), key=lambda kv: kv[1].rank or 0)
             candidates.append(tuple(TokenCandidate(t, lp.logprob, lp.rank or 0) for t, lp in items))
     return TokenScores(tuple(values), tuple(ranks), tuple(candidates))
+
+
+def aborted_before_start(params: GenerateParams, num_prompt_tokens: int) -> list[GenerateChunk]:
+    """What a request aborted before the engine saw it ends with: each sequence finished
+    ABORTED with no tokens (the first chunk carries the prompt details, as always)."""
+    prompt = PromptDetails(num_prompt_tokens=num_prompt_tokens)
+    return [
+        GenerateChunk(prompt if i == 0 else None, SequenceChunk(i, "", (), finish=Finish(0, FinishReason.ABORTED)))
+        for i in range(params.num_sequences)
+    ]

@@ -6,14 +6,18 @@ anything vLLM rejects becomes `InvalidRequest` naming the field.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from vllm import SamplingParams
 from vllm.exceptions import VLLMClientError
-from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from vllm.sampling_params import RepetitionDetectionParams, RequestOutputKind, StructuredOutputsParams
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from rlserve.errors import InvalidRequest, PromptTooLong
 from rlserve.types import (
@@ -23,6 +27,8 @@ from rlserve.types import (
     StructuredOutputKind,
 )
 
+# Texts up to this long tokenize faster than a hop to a thread and back.
+INLINE_TOKENIZE_CHARS = 4096
 # Upstream's default when StoppingCriteria.max_new_tokens is 0.
 DEFAULT_MAX_NEW_TOKENS = 20
 # Keys of native_sampling_params_json that would break the response framing if overridden.
@@ -40,17 +46,22 @@ class ModelLimits:
     default_sampling: Mapping[str, Any]
 
 
-def build_prompt_token_ids(params: GenerateParams, tokenizer: Any, limits: ModelLimits) -> list[int]:
-    """Tokenize (text) or check (token ids), truncate from the left, and check the length."""
+async def build_prompt_token_ids(params: GenerateParams, tokenizer: Any, limits: ModelLimits) -> list[int]:
+    """Tokenize (text) or check (token ids), truncate from the left, and check the length.
+    A long text is tokenized in a thread (the tokenizer releases the GIL), so one large
+    prompt never stalls the event loop that serves every other call."""
     if params.prompt_text is not None:
         if not params.prompt_text:
             raise InvalidRequest("text", "the prompt is empty")
-        ids = tokenizer.encode(params.prompt_text)
+        if len(params.prompt_text) > INLINE_TOKENIZE_CHARS:
+            ids = await asyncio.to_thread(tokenizer.encode, params.prompt_text)
+        else:
+            ids = tokenizer.encode(params.prompt_text)
     elif params.prompt_token_ids is not None:
         if not params.prompt_token_ids:
             raise InvalidRequest("token_ids", "the prompt is empty")
         ids = list(params.prompt_token_ids)
-        bad = [i for i in ids if i >= limits.vocab_size]
+        bad = [i for i in ids if i >= limits.vocab_size] if max(ids) >= limits.vocab_size else []
         if bad:
             raise InvalidRequest("token_ids", f"ids {bad[:5]} are outside the vocabulary (size {limits.vocab_size})")
     else:
@@ -63,18 +74,39 @@ def build_prompt_token_ids(params: GenerateParams, tokenizer: Any, limits: Model
 
 
 def build_sampling_params(params: GenerateParams, num_prompt_tokens: int, limits: ModelLimits) -> SamplingParams:
+    """Sampling params the engine is certain to accept: every value is checked by type
+    against vLLM's own schema (and round-tripped through the engine's request codec), because
+    a value the engine core cannot decode kills its input thread and every later request."""
     if params.priority and not limits.has_priority_scheduling:
         raise InvalidRequest("priority", "priority scheduling is not enabled; start with --scheduling-policy priority")
     if not params.is_stream and params.num_sequences > 1:
         raise InvalidRequest("sampling.num_sequences", "Generate returns one sequence; use GenerateStream for n > 1")
     kwargs = _structured_kwargs(params, num_prompt_tokens, limits)
+    field = "sampling"
     if params.native_sampling_params is not None:
+        field = "native_sampling_params_json"
         kwargs.update(_native_kwargs(params.native_sampling_params))
     try:
-        return SamplingParams(**kwargs)
-    except (TypeError, ValueError, VLLMClientError) as e:
-        field = "native_sampling_params_json" if params.native_sampling_params else "sampling"
+        sampling = msgspec.convert(kwargs, SamplingParams, str_keys=True)
+    except msgspec.ValidationError as e:
         raise InvalidRequest(field, str(e)) from e
+    except (TypeError, ValueError, VLLMClientError) as e:
+        raise InvalidRequest(field, str(e)) from e
+    if not params.is_stream and sampling.n > 1:
+        raise InvalidRequest(field, "n > 1 needs GenerateStream")
+    _check_engine_decodes(sampling, field)
+    return sampling
+
+
+_ENCODER = MsgpackEncoder()
+_DECODER = MsgpackDecoder(SamplingParams)
+
+
+def _check_engine_decodes(sampling: SamplingParams, field: str) -> None:
+    try:
+        _DECODER.decode(_ENCODER.encode(sampling))
+    except (msgspec.MsgspecError, OverflowError, TypeError, ValueError) as e:
+        raise InvalidRequest(field, f"the engine cannot decode these sampling params: {e}") from e
 
 
 def _structured_kwargs(params: GenerateParams, num_prompt_tokens: int, limits: ModelLimits) -> dict[str, Any]:
@@ -110,7 +142,7 @@ def _structured_kwargs(params: GenerateParams, num_prompt_tokens: int, limits: M
         "skip_special_tokens": params.skip_special_tokens,
         # Text is needed to return it and to match stop strings; skipping it saves frontend CPU.
         "detokenize": params.return_text or bool(params.stop_strings),
-        "output_kind": RequestOutputKind.DELTA if params.is_stream else RequestOutputKind.FINAL_ONLY,
+        "output_kind": (RequestOutputKind.DELTA if params.is_stream else RequestOutputKind.FINAL_ONLY).value,
         "skip_reading_prefix_cache": True if params.bypass_prefix_cache else None,
     }
     kwargs.update(_logprob_kwargs(params))
@@ -170,10 +202,22 @@ def _structured_output(so: StructuredOutput) -> StructuredOutputsParams:
 
 
 def _native_kwargs(native: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON object's keys, checked against SamplingParams' fields (and those of its
+    nested dataclasses, which msgspec would otherwise fill with defaults silently)."""
     refused = [k for k in NATIVE_KEYS_REFUSED if k in native]
     if refused:
         raise InvalidRequest("native_sampling_params_json", f"may not set {refused}")
-    kwargs = dict(native)
-    if isinstance(kwargs.get("structured_outputs"), dict):
-        kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
-    return kwargs
+    unknown = sorted(set(native) - _SAMPLING_FIELDS)
+    if unknown:
+        raise InvalidRequest("native_sampling_params_json", f"unknown SamplingParams fields {unknown}")
+    for key, cls in _NESTED_DATACLASSES.items():
+        value = native.get(key)
+        if isinstance(value, dict):
+            extra = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+            if extra:
+                raise InvalidRequest("native_sampling_params_json", f"{key}: unknown fields {extra}")
+    return dict(native)
+
+
+_SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+_NESTED_DATACLASSES = {"structured_outputs": StructuredOutputsParams, "repetition_detection": RepetitionDetectionParams}

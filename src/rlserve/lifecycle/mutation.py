@@ -25,6 +25,3 @@ def survives_caller_cancellation(
         return await asyncio.shield(task)
 
     return wrapper
-
-
-DEFAULT_TRANSFER_TIMEOUT_S = 60.0

@@ -6,51 +6,25 @@ function states one rule and raises the named domain error when the state breaks
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, replace
 
 from rlserve.errors import (
     InvalidRequest,
+    LimitExceeded,
     MemoryAsleep,
     NotPaused,
     NoUpdateSession,
+    PauseDraining,
     TransportNotReady,
     UpdateInProgress,
     WeightsInconsistent,
     WrongState,
 )
+from rlserve.types import EngineStatus, PauseMode, PausePhase, RlCapabilities, SleepTag
 
 DEFAULT_WEIGHT_VERSION = "default"
-
-
-class PauseMode(enum.Enum):
-    """How a pause treats in-flight requests; values are vLLM's spelling."""
-
-    KEEP = "keep"  # freeze them, continue after resume
-    WAIT = "wait"  # let them finish
-    ABORT = "abort"  # end them now with their partial output
-
-    @property
-    def strength(self) -> int:
-        return _STRENGTH[self]
-
-
-_STRENGTH = {PauseMode.KEEP: 0, PauseMode.WAIT: 1, PauseMode.ABORT: 2}
-
-
-class PausePhase(enum.Enum):
-    RUNNING = 1
-    PAUSING = 2  # requested; the engine is not idle yet
-    PAUSED = 3  # the engine is idle; new requests are held
-
-
-class SleepTag(enum.Enum):
-    WEIGHTS = "weights"
-    KV_CACHE = "kv_cache"
-    SCHEDULING = "scheduling"
-
-
-MEMORY_TAGS = frozenset({SleepTag.WEIGHTS, SleepTag.KV_CACHE})
+# A label, not a payload: it travels on every output's version spans and in the audit ring.
+MAX_WEIGHT_VERSION_BYTES = 256
 
 
 @dataclass(frozen=True)
@@ -77,6 +51,7 @@ class LifecycleState:
     weight_version: str = DEFAULT_WEIGHT_VERSION
     num_held_requests: int = 0
     transport_ready: bool = False
+    transport_initializing: bool = False
     update_session: UpdateSession | None = None
 
     @property
@@ -101,7 +76,31 @@ class AuditEntry:
     unix_time_s: float
 
 
-def check_can_resume(state: LifecycleState) -> None:
+@dataclass(frozen=True)
+class LifecycleSnapshot:
+    state: LifecycleState
+    engines: tuple[EngineStatus, ...]
+    capabilities: RlCapabilities
+    recent_mutations: tuple[AuditEntry, ...]
+
+
+def is_stronger(requested: PauseMode, state: LifecycleState) -> bool:
+    """Whether a pause in `requested` mode changes anything: always when running, otherwise
+    only a stronger mode than the current one (it applies to what the weaker one left)."""
+    return state.pause_mode is None or requested.strength > state.pause_mode.strength
+
+
+def check_pause_change(state: LifecycleState, requested: PauseMode) -> None:
+    """KEEP -> WAIT lets the kept requests run to their end, which an open weight update
+    forbids (they would sample from weights that are being replaced)."""
+    if state.update_session is not None and state.pause_mode is PauseMode.KEEP and requested is PauseMode.WAIT:
+        raise WrongState(
+            f"weight update {state.update_session.session_id} is open; WAIT would run the kept "
+            "requests: finish or abort the update first, or pause with ABORT"
+        )
+
+
+def check_can_resume(state: LifecycleState, is_draining: bool) -> None:
     if state.update_session is not None:
         raise WrongState(
             f"weight update {state.update_session.session_id} is open; "
@@ -115,6 +114,11 @@ def check_can_resume(state: LifecycleState) -> None:
             f"the weights are not a complete set ({state.inconsistency_reason}); "
             "load new weights with a weight update before ResumeGeneration"
         )
+    if is_draining:
+        raise PauseDraining(
+            "a WAIT pause is draining in-flight requests; ResumeGeneration once PauseGeneration "
+            "returns, or end the drain with PauseGeneration(ABORT)"
+        )
 
 
 def check_can_start_update(state: LifecycleState) -> None:
@@ -122,6 +126,8 @@ def check_can_start_update(state: LifecycleState) -> None:
         raise UpdateInProgress(
             f"weight update {state.update_session.session_id} is already open; finish or abort it first"
         )
+    if state.transport_initializing:
+        raise UpdateInProgress("InitWeightTransferEngine is in progress; start the update once it returns")
     if not state.transport_ready:
         raise TransportNotReady("no weight transport; call InitWeightTransferEngine first")
     if state.pause_phase is not PausePhase.PAUSED:
@@ -131,6 +137,13 @@ def check_can_start_update(state: LifecycleState) -> None:
         )
     if SleepTag.WEIGHTS in state.asleep:
         raise MemoryAsleep("the weights are asleep; WakeUp with tags=[weights] before StartWeightUpdate")
+
+
+def check_can_init_transport(state: LifecycleState) -> None:
+    if state.update_session is not None:
+        raise UpdateInProgress("finish or abort the open weight update before re-initializing")
+    if state.transport_initializing:
+        raise UpdateInProgress("another InitWeightTransferEngine is in progress")
 
 
 def require_session(state: LifecycleState, call: str) -> UpdateSession:
@@ -148,17 +161,9 @@ def check_sleep_request(level: int, mode: PauseMode) -> None:
         )
 
 
-def parse_wake_tags(tags: list[str]) -> frozenset[SleepTag]:
-    """Empty means everything; unknown tags are INVALID_ARGUMENT."""
-    if not tags:
-        return frozenset(SleepTag)
-    known = {t.value: t for t in SleepTag}
-    unknown = [t for t in tags if t not in known]
-    if unknown:
-        raise InvalidRequest("tags", f"unknown {unknown}; use {sorted(known)} or none for all")
-    return frozenset(known[t] for t in tags)
-
-
-def check_weight_version(version: str) -> None:
+def check_weight_version(version: str, field: str = "weight_version") -> None:
     if not version:
-        raise InvalidRequest("weight_version", "must be a non-empty string")
+        raise InvalidRequest(field, "must be a non-empty string")
+    size = len(version.encode())
+    if size > MAX_WEIGHT_VERSION_BYTES:
+        raise LimitExceeded(field, size, "bytes", "max_weight_version_bytes", MAX_WEIGHT_VERSION_BYTES)

@@ -1,119 +1,159 @@
-"""Weight-update transitions of the lifecycle controller: transport init, session start,
-chunks, commit and abort. A mixin of `LifecycleController`, which owns the state, the lock
-and the audit log these methods use; split out only to keep each file readable."""
+"""Weight-update transitions: transport init, session start, chunks, commit, abort, and the
+idle lease that ends a session whose trainer went away. Changes the state only through the
+`StateOwner` it shares with the lifecycle controller; talks to the backend only through the
+engine's typed `WeightTransport`, so it knows no backend's wire format. No grpc.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from rlserve.errors import CapabilityMissing, InvalidRequest, UpdateInProgress
-from rlserve.lifecycle.mutation import survives_caller_cancellation as _survives_caller_cancellation
+from rlserve.errors import CapabilityMissing, CommitFailed, TransferTimeout
+from rlserve.lifecycle.mutation import survives_caller_cancellation
+from rlserve.lifecycle.owner import StateOwner
 from rlserve.lifecycle.state import (
     UpdateSession,
+    check_can_init_transport,
     check_can_start_update,
     check_weight_version,
     require_session,
 )
-from rlserve.payloads import parse_json_object
-from rlserve.transfer.protocol import BACKEND_NAME as STAGING_BACKEND
-from rlserve.transfer.protocol import ChunkInfo, ProtocolError
-from rlserve.types import RlCapabilities
+from rlserve.payloads import parse_json
 
 if TYPE_CHECKING:
-    import asyncio
-
     from rlserve.engine.adapter import EngineAdapter
-    from rlserve.lifecycle.state import LifecycleState
+    from rlserve.engine.transport import WeightTransport
+    from rlserve.types import ServedChecksums
 
-DEFAULT_TRANSFER_TIMEOUT_S = 60.0
+# A chunk's deadline grows with its size: the transfer timeout per started 256 MiB.
+BYTES_PER_TIMEOUT = 256 * 2**20
 
 
 class WeightUpdates:
-    _engine: EngineAdapter
-    _lock: asyncio.Lock
-    _state: LifecycleState
-    _transfer_timeout_s: float
+    def __init__(
+        self,
+        owner: StateOwner,
+        engine: EngineAdapter,
+        *,
+        timeout_s: float,
+        lease_s: float,
+        max_info_bytes: int,
+        resume: Callable[[], Awaitable[None]],
+    ) -> None:
+        self._owner = owner
+        self._engine = engine
+        self._timeout_s = timeout_s
+        self._info_limit = ("max_transfer_info_bytes", max_info_bytes)
+        self._lease_s = lease_s
+        # Resumes generation; called with the lock held, when a lease ends a session.
+        self._resume = resume
+        self._lease: asyncio.TimerHandle | None = None
+        self._lease_token = 0
+        self._expiry: asyncio.Task[None] | None = None
 
-    @_survives_caller_cancellation
-    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
-        """Set up (or replace) the transport with the trainer, bounded by a deadline.
-        Raises CapabilityMissing, UpdateInProgress, InvalidRequest, TransferTimeout; on any
-        failure the previous transport (if any) stays as it was."""
-        async with self._lock:
-            with self._audited("init_weight_transfer", _init_detail(init_info)):
-                self._require_weight_transfer()
-                if self._state.update_session is not None:
-                    raise UpdateInProgress("finish or abort the open weight update before re-initializing")
-                timeout_s = float(init_info.get("timeout_s", self._transfer_timeout_s))
-                await self._engine.weights.init(init_info, timeout_s)
-                self._publish(transport_ready=True)
+    async def init(self, init_info_json: bytes) -> None:
+        """Set up (or replace) the transport with the trainer. Capped by the server's
+        transfer timeout, and ended when the caller goes away; it holds no lock while the
+        trainer connects, so generation and every other call go on meanwhile. On failure the
+        previous transport (if any) stays as it was. Raises CapabilityMissing, InvalidRequest,
+        UpdateInProgress, TransferTimeout."""
+        transport = self._transport()
+        try:
+            raw = parse_json(init_info_json, "init_info_json", self._info_limit)
+            init = transport.parse_init(raw, self._timeout_s)
+        except Exception as e:
+            self._owner.record("init_weight_transfer", "malformed init_info", type(e).__name__)
+            raise
+        with self._owner.audited("init_weight_transfer", f"{init.detail} timeout_s={init.timeout_s:g}"):
+            async with self._owner.lock:
+                check_can_init_transport(self._owner.state)
+                self._owner.publish(transport_initializing=True)
+            ready = False
+            try:
+                await transport.init(init)
+                ready = True
+            finally:
+                changes: dict[str, Any] = {"transport_initializing": False}
+                if ready:
+                    changes["transport_ready"] = True
+                self._owner.publish(**changes)
 
-    @_survives_caller_cancellation
-    async def start_weight_update(self, is_draft: bool = False) -> UpdateSession:
+    @survives_caller_cancellation
+    async def start(self, is_draft: bool = False) -> UpdateSession:
         """Open a session. Raises CapabilityMissing, UpdateInProgress (ABORTED),
         TransportNotReady / NotPaused / MemoryAsleep (FAILED_PRECONDITION)."""
-        async with self._lock:
-            with self._audited("start_weight_update", f"draft={is_draft}"):
-                caps = self._require_weight_transfer()
-                if is_draft and not caps.draft_weight_updates_enabled:
+        async with self._owner.lock:
+            with self._owner.audited("start_weight_update", f"draft={is_draft}"):
+                transport = self._transport()
+                if is_draft and not self._engine.capabilities().draft_weight_updates_enabled:
                     raise CapabilityMissing("this engine has no draft model whose weights could be updated")
-                check_can_start_update(self._state)
-                await self._engine.weights.start(is_draft, self._transfer_timeout_s)
+                check_can_start_update(self._owner.state)
+                await transport.start(is_draft, self._timeout_s)
                 session = UpdateSession(uuid.uuid4().hex, is_draft, time.time())
                 changes: dict[str, Any] = {"update_session": session}
-                if not self._stages_updates(caps):
+                if not transport.stages_updates:
                     changes.update(weights_consistent=False, inconsistency_reason="an in-place weight update is open")
-                self._publish(**changes)
+                self._owner.publish(**changes)
+                self._arm_lease(session.session_id)
                 return session
 
-    @_survives_caller_cancellation
-    async def update_weights(self, update_info_json: bytes) -> None:
-        """Receive one chunk (the backend's update_info as JSON). Any failure, bad JSON
-        included, drops the session; with a staging backend the served weights are
-        unchanged. Raises NoUpdateSession, InvalidRequest, TransferTimeout."""
-        async with self._lock:
-            with self._audited("update_weights", f"{len(update_info_json)} bytes of update_info"):
-                session = require_session(self._state, "UpdateWeights")
+    @survives_caller_cancellation
+    async def update(self, update_info_json: bytes) -> None:
+        """Receive one chunk (the backend's update_info as JSON). Any refusal drops the
+        session, malformed JSON included; with a staging backend the served weights are
+        unchanged, and a transfer that broke half way leaves the transport unusable until the
+        next init. Raises NoUpdateSession, InvalidRequest, TransferTimeout."""
+        async with self._owner.lock:
+            with self._owner.audited("update_weights", f"{len(update_info_json)} bytes of update_info"):
+                session = require_session(self._owner.state, "UpdateWeights")
+                transport = self._transport()
+                self._disarm_lease()
                 try:
-                    update_info = parse_json_object(update_info_json, "update_info_json")
-                    num_tensors, num_bytes = self._chunk_size(update_info)
-                    # The worker bounds each collective; this bounds the whole chunk.
-                    timeout_s = self._transfer_timeout_s * (1 + num_bytes // (256 * 2**20))
-                    await self._engine.weights.update(update_info, timeout_s)
-                except BaseException:
+                    raw = parse_json(update_info_json, "update_info_json", self._info_limit)
+                    chunk = transport.parse_chunk(raw)
+                    timeout_s = self._timeout_s * (1 + chunk.num_bytes // BYTES_PER_TIMEOUT)
+                    await transport.update(chunk, timeout_s)
+                except BaseException as e:
                     await self._drop_session("an update chunk failed")
+                    if isinstance(e, TransferTimeout):
+                        self._owner.publish(transport_ready=False)
                     raise
-                self._publish(
+                self._owner.publish(
                     update_session=replace(
                         session,
                         num_chunks=session.num_chunks + 1,
-                        num_tensors=session.num_tensors + num_tensors,
-                        num_bytes=session.num_bytes + num_bytes,
+                        num_tensors=session.num_tensors + chunk.num_tensors,
+                        num_bytes=session.num_bytes + chunk.num_bytes,
                     )
                 )
+                self._arm_lease(session.session_id)
 
-    @_survives_caller_cancellation
-    async def finish_weight_update(self, version: str | None) -> None:
+    @survives_caller_cancellation
+    async def finish(self, version: str | None) -> None:
         """Commit: new weights go live, every cached KV block is dropped, the version (if
         given) is published. A commit that fails half way marks the weights inconsistent
-        (resume refused until a complete update succeeds)."""
-        async with self._lock:
-            with self._audited("finish_weight_update", f"version={version!r}"):
-                require_session(self._state, "FinishWeightUpdate")
+        (resume refused until a complete update succeeds); the next update starts clean.
+        Raises NoUpdateSession, InvalidRequest, CommitFailed."""
+        async with self._owner.lock:
+            with self._owner.audited("finish_weight_update", f"version={(version or '')[:64]!r}"):
+                require_session(self._owner.state, "FinishWeightUpdate")
                 if version is not None:
                     check_weight_version(version)
+                transport = self._transport()
+                self._disarm_lease()
                 try:
-                    await self._engine.weights.finish(self._transfer_timeout_s)
+                    await transport.finish(self._timeout_s)
                 except BaseException as e:
-                    self._publish(
-                        update_session=None,
-                        weights_consistent=False,
-                        inconsistency_reason=f"the commit failed half way ({type(e).__name__})",
-                    )
+                    reason = f"the commit failed half way ({type(e).__name__})"
+                    self._owner.publish(update_session=None, weights_consistent=False, inconsistency_reason=reason)
+                    if isinstance(e, Exception) and not isinstance(e, CommitFailed):
+                        raise CommitFailed(f"{reason}: {e}") from e
                     raise
                 await self._engine.reset_prefix_cache()
                 changes: dict[str, Any] = {
@@ -121,67 +161,78 @@ class WeightUpdates:
                     "weights_consistent": True,
                     "inconsistency_reason": "",
                 }
-                if version is not None and version != self._state.weight_version:
+                if version is not None and version != self._owner.state.weight_version:
                     await self._engine.set_weight_version(version)
                     changes["weight_version"] = version
-                self._publish(**changes)
+                self._owner.publish(**changes)
 
-    @_survives_caller_cancellation
-    async def abort_weight_update(self) -> None:
+    @survives_caller_cancellation
+    async def abort(self) -> None:
         """Drop the open session (no-op without one). With a staging backend the model keeps
         the weights and version it had; an in-place backend leaves them inconsistent."""
-        async with self._lock:
-            with self._audited("abort_weight_update", "") as outcome:
-                if self._state.update_session is None:
+        async with self._owner.lock:
+            with self._owner.audited("abort_weight_update", "") as outcome:
+                if self._owner.state.update_session is None:
                     outcome.append("noop")
                     return
                 await self._drop_session("an in-place update was aborted half way")
 
-    async def weight_checksums(self) -> dict[str, Any]:
-        """Digests of the served weights (HF names), identical across data-parallel engines
-        or the call fails: a mismatch is an engine bug worth a loud error."""
-        self._require_weight_transfer()
-        per_worker = await self._engine.weights.checksums(self._transfer_timeout_s)
-        overall = {w["overall"] for w in per_worker}
-        if len(overall) != 1:
-            raise RuntimeError(f"data-parallel engines serve different weights: {sorted(overall)}")
+    async def checksums(self) -> ServedChecksums:
+        """Digests of the served weights (checkpoint names), read back from the model, the
+        same on every data-parallel engine or the call fails: a mismatch is an engine bug
+        worth a loud error."""
+        per_worker = await self._transport().checksums()
+        if any(dict(w.per_tensor) != dict(per_worker[0].per_tensor) for w in per_worker):
+            raise RuntimeError("data-parallel engines serve different weights")
         return per_worker[0]
 
-    def _chunk_size(self, update_info: dict[str, Any]) -> tuple[int, int]:
-        """(tensors, bytes) of a chunk; rlserve_gloo's update_info is checked for shape here,
-        other backends' is passed through as vLLM defines it."""
-        if not self._stages_updates(self._engine.capabilities()):
-            names = update_info.get("names")
-            return (len(names) if isinstance(names, list) else 0), 0
-        try:
-            chunk = ChunkInfo.parse(update_info)
-        except ProtocolError as e:
-            raise InvalidRequest("update_info_json", str(e)) from e
-        return len(chunk.tensors), sum(t.num_bytes for t in chunk.tensors)
+    # Helpers (under the lock) -----------------------------------------------------------
 
     async def _drop_session(self, inplace_reason: str) -> None:
-        caps = self._engine.capabilities()
+        transport = self._transport()
+        self._disarm_lease()
         with contextlib.suppress(Exception):
-            await self._engine.weights.abort(self._transfer_timeout_s)
+            await transport.abort(self._timeout_s)
         changes: dict[str, Any] = {"update_session": None}
-        if not self._stages_updates(caps):
+        if not transport.stages_updates:
             changes.update(weights_consistent=False, inconsistency_reason=inplace_reason)
-        self._publish(**changes)
+        self._owner.publish(**changes)
 
-    def _require_weight_transfer(self) -> RlCapabilities:
-        caps = self._engine.capabilities()
-        if not caps.weight_transfer_enabled:
+    def _transport(self) -> WeightTransport:
+        transport = self._engine.transport
+        if transport is None:
             raise CapabilityMissing(
                 "weight transfer is not configured; start the server with --weight-transfer-backend"
             )
-        return caps
+        return transport
 
-    @staticmethod
-    def _stages_updates(caps: RlCapabilities) -> bool:
-        """Only rlserve's own backend stages updates; vLLM's write into the live weights."""
-        return caps.weight_transfer_backend == STAGING_BACKEND
+    # The session lease ------------------------------------------------------------------
 
+    def _arm_lease(self, session_id: str) -> None:
+        self._disarm_lease()
+        loop = asyncio.get_running_loop()
+        self._lease = loop.call_later(self._lease_s, self._lease_ended, session_id, self._lease_token)
 
-def _init_detail(init_info: dict[str, Any]) -> str:
-    keys = ("master_address", "master_port", "rank_offset", "world_size", "timeout_s")
-    return " ".join(f"{k}={init_info[k]}" for k in keys if k in init_info)
+    def _disarm_lease(self) -> None:
+        # A lease that already fired and waits for the lock is stale from now on.
+        self._lease_token += 1
+        if self._lease is not None:
+            self._lease.cancel()
+            self._lease = None
+
+    def _lease_ended(self, session_id: str, token: int) -> None:
+        self._expiry = asyncio.ensure_future(self._expire(session_id, token))
+
+    async def _expire(self, session_id: str, token: int) -> None:
+        """No call for the session within its lease: its trainer is gone. Abort it and, when
+        the old weights are intact, let generation go on."""
+        async with self._owner.lock:
+            session = self._owner.state.update_session
+            if token != self._lease_token or session is None or session.session_id != session_id:
+                return
+            with self._owner.audited("session_lease_expired", f"session={session_id} lease_s={self._lease_s:g}"):
+                await self._drop_session("an in-place update's session lease expired")
+                st = self._owner.state
+                if st.weights_consistent and not st.asleep and st.is_paused:
+                    await self._resume()
+                    self._owner.record("resume", "after the session lease expired", "ok")

@@ -1,5 +1,7 @@
 """The gRPC server: binds first (health NOT_SERVING), starts or attaches the engine (SERVING),
 and on shutdown reports NOT_SERVING, drains in-flight RPCs for a grace period, then stops.
+When the engine dies (its process exits, or it stops answering) health goes NOT_SERVING and
+every call answers UNAVAILABLE; the process stays up so that a supervisor sees it.
 
 Owns the grpc.aio server, health and reflection; not the engine's internals.
 """
@@ -44,8 +46,9 @@ class RlserveServer:
             ("grpc.max_receive_message_length", config.max_message_bytes),
         ]
         self._server = grpc.aio.server(options=opts)
-        inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(self.slot), self._server)
-        control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self.slot), self._server)
+        limits = config.limits
+        inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(self.slot, limits), self._server)
+        control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self.slot, limits), self._server)
         lifecycle_pb2_grpc.add_LifecycleServicer_to_server(LifecycleServicer(self.slot), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         names = (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)
@@ -71,14 +74,25 @@ class RlserveServer:
 
     async def attach_engine(self, engine: EngineAdapter) -> None:
         """Serve an engine started elsewhere (tests share one); stop() will not shut it down."""
+        config = self.config
         lifecycle = await LifecycleController.create(
             engine,
-            max_held_requests=self.config.max_held_requests,
-            transfer_timeout_s=self.config.transfer_timeout_s,
+            max_held_requests=config.max_held_requests,
+            max_held_bytes=config.max_held_bytes,
+            transfer_timeout_s=config.transfer_timeout_s,
+            lease_s=config.lease_s,
+            max_transfer_info_bytes=config.limits.max_transfer_info_bytes,
         )
         self.slot.set(engine, lifecycle)
+        engine.monitor.on_dead(self._engine_died)
+        engine.monitor.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         logger.info("rlserve serving %s", engine.model_info().served_model_name)
+
+    def _engine_died(self, reason: str) -> None:
+        if self.slot.is_set:
+            self.slot.clear(reason)
+            asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, then refuse new RPCs and drain in-flight ones for `grace_s` seconds;
@@ -86,13 +100,11 @@ class RlserveServer:
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace)
-        engine = self.slot.engine if self._owns_engine else None
+        engine = self.slot.engine_or_none
         self.slot.clear("the server is shutting down")
-        if engine is not None:
+        if engine is not None and self._owns_engine:
+            await engine.close()
             await asyncio.to_thread(engine.shutdown)
-
-    async def wait_for_termination(self) -> None:
-        await self._server.wait_for_termination()
 
     async def _set_health(self, status: int) -> None:
         for name in ("", *SERVICE_NAMES):
@@ -109,11 +121,13 @@ async def serve(config: ServeConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     engine_task = asyncio.create_task(server.start_engine())
     stop_task = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({engine_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-    if engine_task in done:
-        engine_task.result()  # an engine that failed to start ends the server with its error
-        await stop_task
-    else:
-        engine_task.cancel()
-    logger.info("shutting down: draining in-flight requests for up to %.1f s", config.shutdown_grace_s)
-    await server.stop()
+    try:
+        done, _ = await asyncio.wait({engine_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        if engine_task in done:
+            engine_task.result()  # an engine that failed to start ends the server with its error
+            await stop_task
+        else:
+            engine_task.cancel()
+    finally:
+        logger.info("shutting down: draining in-flight requests for up to %.1f s", config.shutdown_grace_s)
+        await server.stop()

@@ -32,6 +32,14 @@ class EngineSlot:
             raise EngineUnavailable(self._reason)
         return self._lifecycle
 
+    @property
+    def is_set(self) -> bool:
+        return self._engine is not None
+
+    @property
+    def engine_or_none(self) -> EngineAdapter | None:
+        return self._engine
+
     def set(self, engine: EngineAdapter, lifecycle: LifecycleController) -> None:
         self._engine, self._lifecycle = engine, lifecycle
 

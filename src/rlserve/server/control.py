@@ -7,7 +7,7 @@ import grpc
 
 from rlserve.api.vllm import control_pb2 as pb
 from rlserve.api.vllm import control_pb2_grpc
-from rlserve.payloads import parse_json_object
+from rlserve.config import RequestLimits
 from rlserve.server import convert
 from rlserve.server.backend import EngineSlot
 from rlserve.server.errors import translate_errors
@@ -16,8 +16,9 @@ Ctx = grpc.aio.ServicerContext
 
 
 class ControlServicer(control_pb2_grpc.ControlServicer):
-    def __init__(self, slot: EngineSlot) -> None:
+    def __init__(self, slot: EngineSlot, limits: RequestLimits) -> None:
         self._slot = slot
+        self._limits = limits
 
     @translate_errors
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: Ctx) -> pb.ServerInfo:
@@ -29,7 +30,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     @translate_errors
     async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
-        await self._slot.engine.abort(request.request_ids)
+        await self._slot.lifecycle.abort(convert.abort_ids(request, self._limits))
         return pb.AbortResponse()
 
     @translate_errors
@@ -57,7 +58,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     @translate_errors
     async def WakeUp(self, request: pb.WakeUpRequest, context: Ctx) -> pb.WakeUpResponse:
-        await self._slot.lifecycle.wake_up(list(request.tags))
+        await self._slot.lifecycle.wake_up(convert.wake_tags(request))
         return pb.WakeUpResponse()
 
     @translate_errors
@@ -75,26 +76,25 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     @translate_errors
     async def InitWeightTransferEngine(self, request: pb.InitWeightTransferEngineRequest, context: Ctx):
-        await self._slot.lifecycle.init_weight_transfer(parse_json_object(request.init_info_json, "init_info_json"))
+        await self._slot.lifecycle.weights.init(request.init_info_json)
         return pb.InitWeightTransferEngineResponse()
 
     @translate_errors
     async def StartWeightUpdate(self, request: pb.StartWeightUpdateRequest, context: Ctx):
-        await self._slot.lifecycle.start_weight_update(is_draft=False)
+        await self._slot.lifecycle.weights.start(is_draft=False)
         return pb.StartWeightUpdateResponse()
 
     @translate_errors
     async def StartDraftWeightUpdate(self, request: pb.StartDraftWeightUpdateRequest, context: Ctx):
-        await self._slot.lifecycle.start_weight_update(is_draft=True)
+        await self._slot.lifecycle.weights.start(is_draft=True)
         return pb.StartDraftWeightUpdateResponse()
 
     @translate_errors
     async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context: Ctx) -> pb.UpdateWeightsResponse:
-        await self._slot.lifecycle.update_weights(request.update_info_json)
+        await self._slot.lifecycle.weights.update(request.update_info_json)
         return pb.UpdateWeightsResponse()
 
     @translate_errors
     async def FinishWeightUpdate(self, request: pb.FinishWeightUpdateRequest, context: Ctx):
-        version = request.weight_version if request.HasField("weight_version") else None
-        await self._slot.lifecycle.finish_weight_update(version)
+        await self._slot.lifecycle.weights.finish(convert.finish_version(request))
         return pb.FinishWeightUpdateResponse()

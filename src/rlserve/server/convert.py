@@ -13,17 +13,20 @@ from google.protobuf import json_format, struct_pb2
 from rlserve import types
 from rlserve.api.rlserve.v1 import lifecycle_pb2, rlserve_pb2
 from rlserve.api.vllm import control_pb2, inference_pb2
-from rlserve.errors import InvalidRequest
+from rlserve.config import RequestLimits
+from rlserve.errors import InvalidRequest, LimitExceeded
+from rlserve.lifecycle.state import LifecycleSnapshot, LifecycleState
 from rlserve.payloads import parse_json_object
-from rlserve.lifecycle.controller import LifecycleSnapshot
-from rlserve.transfer.protocol import CHECKSUM_ALGORITHM
-from rlserve.lifecycle.state import LifecycleState, PauseMode, PausePhase
+from rlserve.types import PauseMode, PausePhase, SleepTag
 
 STRUCTURED_KINDS = {k.value: k for k in types.StructuredOutputKind}
 
 
-def generate_params(req: inference_pb2.GenerateRequest, *, is_stream: bool) -> types.GenerateParams:
+def generate_params(
+    req: inference_pb2.GenerateRequest, *, is_stream: bool, limits: RequestLimits
+) -> types.GenerateParams:
     _refuse_unsupported(req)
+    _check_limits(req, limits)
     prompt = req.WhichOneof("prompt")
     s, d, st, r, kv = req.sampling, req.decoding, req.stopping, req.response, req.kv
     return types.GenerateParams(
@@ -62,7 +65,7 @@ def generate_params(req: inference_pb2.GenerateRequest, *, is_stream: bool) -> t
         kv_transfer_params=_struct(kv.kv_transfer_params) if kv.HasField("kv_transfer_params") else None,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         priority=req.priority,
-        native_sampling_params=_json_object(req.native_sampling_params_json, "native_sampling_params_json"),
+        native_sampling_params=_native_sampling_params(req.native_sampling_params_json, limits),
         is_stream=is_stream,
     )
 
@@ -76,6 +79,64 @@ def _refuse_unsupported(req: inference_pb2.GenerateRequest) -> None:
         raise InvalidRequest("lora_name", "LoRA adapters are not enabled on this server")
     if req.kv.HasField("ec_transfer_params"):
         raise InvalidRequest("kv.ec_transfer_params", "encoder-cache transfer is not configured")
+
+
+def _check_limits(req: inference_pb2.GenerateRequest, limits: RequestLimits) -> None:
+    """Bound every string and list before anything walks it."""
+    d, st = req.decoding, req.stopping
+    checks: list[tuple[str, int, str, str, int]] = [
+        ("request_id", _utf8_len(req.request_id), "bytes", "max_id_bytes", limits.max_id_bytes),
+        ("model", _utf8_len(req.model), "bytes", "max_id_bytes", limits.max_id_bytes),
+        ("kv.cache_salt", _utf8_len(req.kv.cache_salt), "bytes", "max_id_bytes", limits.max_id_bytes),
+        ("text", _utf8_len(req.text), "bytes", "max_prompt_text_bytes", limits.max_prompt_text_bytes),
+        ("token_ids", len(req.token_ids.ids), "ids", "max_prompt_token_ids", limits.max_prompt_token_ids),
+        (
+            "sampling.num_sequences",
+            req.sampling.num_sequences,
+            "sequences",
+            "max_num_sequences",
+            limits.max_num_sequences,
+        ),
+        ("stopping.stop_strings", len(st.stop_strings), "strings", "max_stop_strings", limits.max_stop_strings),
+        ("decoding.logit_bias", len(d.logit_bias), "entries", "max_logit_bias_entries", limits.max_logit_bias_entries),
+        ("decoding.choice", len(d.choice.choices), "choices", "max_choices", limits.max_choices),
+        (
+            "kv.kv_transfer_params",
+            req.kv.kv_transfer_params.ByteSize(),
+            "bytes",
+            "max_native_json_bytes",
+            limits.max_native_json_bytes,
+        ),
+    ]
+    for name, ids in (
+        ("stopping.stop_token_ids", st.stop_token_ids),
+        ("decoding.allowed_token_ids", d.allowed_token_ids),
+        ("response.output_candidates.token_ids", req.response.output_candidates.token_ids.ids),
+        ("response.prompt_candidates.token_ids", req.response.prompt_candidates.token_ids.ids),
+    ):
+        checks.append((name, len(ids), "ids", "max_token_id_list", limits.max_token_id_list))
+    which = d.WhichOneof("structured_output")
+    if which is not None and which != "json_object":
+        spec = sum(map(_utf8_len, d.choice.choices)) if which == "choice" else _utf8_len(getattr(d, which))
+        checks.append(
+            (f"decoding.{which}", spec, "bytes", "max_structured_spec_bytes", limits.max_structured_spec_bytes)
+        )
+    for field, size, unit, limit_name, limit in checks:
+        if size > limit:
+            raise LimitExceeded(field, size, unit, limit_name, limit)
+    longest = max(map(_utf8_len, st.stop_strings), default=0)
+    if longest > limits.max_stop_string_bytes:
+        raise LimitExceeded(
+            "stopping.stop_strings",
+            longest,
+            "bytes in one string",
+            "max_stop_string_bytes",
+            limits.max_stop_string_bytes,
+        )
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode())
 
 
 def _structured_output(d: inference_pb2.DecodingParameters) -> types.StructuredOutput | None:
@@ -117,8 +178,17 @@ def _struct(s: struct_pb2.Struct) -> dict[str, Any]:
     return json_format.MessageToDict(s)
 
 
-def _json_object(raw: bytes, field: str) -> dict[str, Any] | None:
-    return parse_json_object(raw, field) if raw else None
+def _native_sampling_params(raw: bytes, limits: RequestLimits) -> dict[str, Any] | None:
+    """The JSON object (its values are type-checked by the engine adapter against vLLM's own
+    schema); only the server's own limits are applied here."""
+    if not raw:
+        return None
+    field = "native_sampling_params_json"
+    native = parse_json_object(raw, field, ("max_native_json_bytes", limits.max_native_json_bytes))
+    n = native.get("n")
+    if isinstance(n, int) and n > limits.max_num_sequences:
+        raise LimitExceeded(f"{field}.n", n, "sequences", "max_num_sequences", limits.max_num_sequences)
+    return native
 
 
 def generate_response(chunk: types.GenerateChunk, params: types.GenerateParams) -> inference_pb2.GenerateResponse:
@@ -244,16 +314,13 @@ PAUSE_MODES = {
     control_pb2.PAUSE_MODE_WAIT: PauseMode.WAIT,
     control_pb2.PAUSE_MODE_KEEP: PauseMode.KEEP,
 }
-PAUSE_MODE_WIRE = {
-    PauseMode.ABORT: control_pb2.PAUSE_MODE_ABORT,
-    PauseMode.WAIT: control_pb2.PAUSE_MODE_WAIT,
-    PauseMode.KEEP: control_pb2.PAUSE_MODE_KEEP,
-}
+PAUSE_MODE_WIRE = {mode: wire for wire, mode in PAUSE_MODES.items() if wire != control_pb2.PAUSE_MODE_UNSPECIFIED}
 PAUSE_PHASE_WIRE = {
     PausePhase.RUNNING: lifecycle_pb2.PAUSE_PHASE_RUNNING,
     PausePhase.PAUSING: lifecycle_pb2.PAUSE_PHASE_PAUSING,
     PausePhase.PAUSED: lifecycle_pb2.PAUSE_PHASE_PAUSED,
 }
+SLEEP_TAGS = {t.value: t for t in SleepTag}
 
 
 def pause_mode(mode: int) -> PauseMode:
@@ -270,6 +337,32 @@ def sleep_request(req: control_pb2.SleepRequest) -> tuple[int, PauseMode]:
     return (req.level if req.HasField("level") else 1), pause_mode(req.mode)
 
 
+def wake_tags(req: control_pb2.WakeUpRequest) -> frozenset[SleepTag]:
+    """Empty means everything; unknown tags are INVALID_ARGUMENT."""
+    unknown = sorted({t for t in req.tags if t not in SLEEP_TAGS})
+    if unknown:
+        shown = [t[:32] for t in unknown[:5]]
+        raise InvalidRequest("tags", f"unknown {shown}; use {sorted(SLEEP_TAGS)} or none for all")
+    return frozenset(SLEEP_TAGS[t] for t in req.tags)
+
+
+def abort_ids(req: control_pb2.AbortRequest, limits: RequestLimits) -> list[str]:
+    if len(req.request_ids) > limits.max_abort_ids:
+        raise LimitExceeded("request_ids", len(req.request_ids), "ids", "max_abort_ids", limits.max_abort_ids)
+    longest = max(map(_utf8_len, req.request_ids), default=0)
+    if longest > limits.max_id_bytes:
+        raise LimitExceeded("request_ids", longest, "bytes in one id", "max_id_bytes", limits.max_id_bytes)
+    return list(req.request_ids)
+
+
+def finish_version(req: control_pb2.FinishWeightUpdateRequest) -> str | None:
+    return req.weight_version if req.HasField("weight_version") else None
+
+
+def expected_version(req: lifecycle_pb2.UpdateWeightVersionRequest) -> str | None:
+    return req.expected_weight_version if req.HasField("expected_weight_version") else None
+
+
 def lifecycle_state(state: LifecycleState) -> lifecycle_pb2.LifecycleState:
     msg = lifecycle_pb2.LifecycleState(
         revision=state.revision,
@@ -282,6 +375,7 @@ def lifecycle_state(state: LifecycleState) -> lifecycle_pb2.LifecycleState:
         weight_version=state.weight_version,
         num_held_requests=state.num_held_requests,
         transport_ready=state.transport_ready,
+        transport_initializing=state.transport_initializing,
     )
     session = state.update_session
     if session is not None:
@@ -310,7 +404,10 @@ def lifecycle_snapshot(snap: LifecycleSnapshot) -> lifecycle_pb2.LifecycleState:
     return msg
 
 
-def weight_checksum(digests: dict[str, Any]) -> lifecycle_pb2.WeightChecksum:
+def weight_checksum(served: types.ServedChecksums) -> lifecycle_pb2.WeightChecksum:
     return lifecycle_pb2.WeightChecksum(
-        algorithm=CHECKSUM_ALGORITHM, overall=digests["overall"], per_tensor=digests["per_tensor"]
+        algorithm=served.algorithm,
+        overall=served.overall,
+        per_tensor=dict(served.per_tensor),
+        inconsistent_tensors=list(served.inconsistent),
     )

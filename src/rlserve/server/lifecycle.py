@@ -1,5 +1,5 @@
-"""`rlserve.v1.Lifecycle`: the whole lifecycle state, its changes as a stream, and the
-compare-and-set version update."""
+"""`rlserve.v1.Lifecycle`: the whole lifecycle state, its changes as a stream, the
+compare-and-set version update, abandoning an update, and the served weights' digests."""
 
 from __future__ import annotations
 
@@ -29,15 +29,16 @@ class LifecycleServicer(lifecycle_pb2_grpc.LifecycleServicer):
 
     @translate_errors
     async def UpdateWeightVersion(self, request: pb.UpdateWeightVersionRequest, context: Ctx):
-        expected = request.expected_weight_version if request.HasField("expected_weight_version") else None
-        previous = await self._slot.lifecycle.update_weight_version(request.weight_version, expected)
+        previous = await self._slot.lifecycle.update_weight_version(
+            request.weight_version, convert.expected_version(request)
+        )
         return pb.UpdateWeightVersionResponse(previous_weight_version=previous)
 
     @translate_errors
     async def AbortWeightUpdate(self, request: pb.AbortWeightUpdateRequest, context: Ctx):
-        await self._slot.lifecycle.abort_weight_update()
+        await self._slot.lifecycle.weights.abort()
         return pb.AbortWeightUpdateResponse()
 
     @translate_errors
     async def GetWeightChecksum(self, request: pb.GetWeightChecksumRequest, context: Ctx) -> pb.WeightChecksum:
-        return convert.weight_checksum(await self._slot.lifecycle.weight_checksums())
+        return convert.weight_checksum(await self._slot.lifecycle.weights.checksums())

@@ -3,14 +3,17 @@ weight-transfer backend in every vLLM process. Lazy: nothing heavy is imported h
 
 from __future__ import annotations
 
+import contextlib
+
 from rlserve.transfer.protocol import BACKEND_NAME
 
 
 def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    # vLLM calls general plugins more than once per process; registering twice raises.
-    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
+    # vLLM calls general plugins more than once per process; a second registration raises
+    # ValueError ("already registered"), which is the state we want.
+    with contextlib.suppress(ValueError):
         WeightTransferEngineFactory.register_engine(
             BACKEND_NAME, "rlserve.transfer.gloo_engine", "GlooWeightTransferEngine"
         )

@@ -1,34 +1,88 @@
-"""The `rlserve_gloo` wire protocol, shared by the trainer SDK and the inference worker.
+"""The `rlserve_gloo` wire protocol, shared by the trainer SDK, the inference worker and the
+server's transport seam.
 
 Owns the JSON shapes of init_info / update_info, the bucket plan both sides derive from an
-update_info, and the tensor checksum. Pure Python plus xxhash; torch only for checksums.
+update_info, the tensor digest, and the typed reply a worker sends back across vLLM's process
+boundary. Pure Python plus xxhash; torch only inside the digest.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
 BACKEND_NAME = "rlserve_gloo"
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
-DEFAULT_TIMEOUT_S = 60.0
 CHECKSUM_ALGORITHM = "xxh3-128"
 # Tensors start on this boundary inside a bucket so the receiver can view them in place.
 ALIGN_BYTES = 64
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-# Error markers: the worker's exceptions cross vLLM's process boundary as text; the engine
-# adapter maps each marker back to a domain error.
-INVALID_UPDATE = "rlserve.invalid_update_info"
-TRANSFER_TIMEOUT = "rlserve.transfer_timeout"
-CHECKSUM_MISMATCH = "rlserve.checksum_mismatch"
-
 
 class ProtocolError(ValueError):
     """init_info / update_info that does not follow the protocol (bad JSON shape)."""
+
+
+class ErrorCode(enum.Enum):
+    """Why a worker refused or failed an operation; the server maps each to a domain error."""
+
+    INVALID_INFO = "invalid_info"  # the trainer's init_info / update_info is wrong
+    CHECKSUM_MISMATCH = "checksum_mismatch"  # bytes arrived, but not the ones announced
+    TIMEOUT = "timeout"  # the trainer did not show up or stopped sending in time
+    WRONG_STATE = "wrong_state"  # no transport, no session, or a broken transport
+    COMMIT_FAILED = "commit_failed"  # loading into the model failed half way
+    UNSUPPORTED = "unsupported"  # the served model cannot do what was asked
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A worker's answer to one operation. Crosses vLLM's process boundary as a plain dict."""
+
+    ok: bool
+    code: ErrorCode | None = None
+    message: str = ""
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def failure(cls, code: ErrorCode, message: str) -> Reply:
+        return cls(False, code, message)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "code": self.code.value if self.code else "",
+            "message": self.message,
+            "data": dict(self.data),
+        }
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Reply:
+        code = raw.get("code") or None
+        return cls(bool(raw["ok"]), ErrorCode(code) if code else None, str(raw.get("message", "")), raw.get("data", {}))
+
+
+class WorkerError(Exception):
+    """Raised inside a worker with a code, turned into a failed `Reply` at the boundary."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _require(raw: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    if key not in raw:
+        raise ProtocolError(f"needs {key!r}")
+    value = raw[key]
+    # bool is an int in Python; a port or a rank given as true is a mistake.
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ProtocolError(f"{key} must be {what}, got {value!r}")
+    if not isinstance(value, kind):
+        raise ProtocolError(f"{key} must be {what}, got {type(value).__name__}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -37,31 +91,36 @@ class InitInfo:
     master_port: int
     rank_offset: int
     world_size: int
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    timeout_s: float
 
     @classmethod
-    def parse(cls, raw: Mapping[str, Any]) -> InitInfo:
+    def parse(cls, raw: Mapping[str, Any], default_timeout_s: float) -> InitInfo:
+        """Strictly typed; `timeout_s` defaults to (and is capped by) `default_timeout_s`."""
         known = set(cls.__dataclass_fields__)
         unknown = set(raw) - known
         if unknown:
             raise ProtocolError(f"unknown init_info keys {sorted(unknown)}; expected {sorted(known)}")
-        try:
-            info = cls(
-                master_address=str(raw["master_address"]),
-                master_port=int(raw["master_port"]),
-                rank_offset=int(raw["rank_offset"]),
-                world_size=int(raw["world_size"]),
-                timeout_s=float(raw.get("timeout_s", DEFAULT_TIMEOUT_S)),
-            )
-        except KeyError as e:
-            raise ProtocolError(f"init_info needs {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
-            raise ProtocolError(f"init_info: {e}") from None
-        if not 0 < info.master_port < 65536 or info.world_size < 2 or info.rank_offset < 1:
-            raise ProtocolError("init_info: need 0 < master_port < 65536, world_size >= 2, rank_offset >= 1")
-        if info.timeout_s <= 0:
-            raise ProtocolError("init_info: timeout_s must be positive")
-        return info
+        address = _require(raw, "master_address", str, "a host name or address")
+        port = _require(raw, "master_port", int, "an integer")
+        rank_offset = _require(raw, "rank_offset", int, "an integer")
+        world_size = _require(raw, "world_size", int, "an integer")
+        timeout_s = raw.get("timeout_s", default_timeout_s)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+            raise ProtocolError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+        if not address or not 0 < port < 65536 or world_size < 2 or rank_offset < 1:
+            raise ProtocolError("need a master_address, 0 < master_port < 65536, world_size >= 2, rank_offset >= 1")
+        if not 0 < timeout_s < float("inf"):
+            raise ProtocolError("timeout_s must be a positive number of seconds")
+        return cls(address, port, rank_offset, world_size, min(float(timeout_s), default_timeout_s))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "master_address": self.master_address,
+            "master_port": self.master_port,
+            "rank_offset": self.rank_offset,
+            "world_size": self.world_size,
+            "timeout_s": self.timeout_s,
+        }
 
 
 @dataclass(frozen=True)
@@ -86,30 +145,41 @@ class ChunkInfo:
     tensors: tuple[TensorMeta, ...]
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.num_bytes for t in self.tensors)
+
     @classmethod
-    def parse(cls, raw: Mapping[str, Any]) -> ChunkInfo:
-        names, dtypes, shapes = raw.get("names"), raw.get("dtype_names"), raw.get("shapes")
-        checksums = raw.get("checksums")
-        lists = {"names": names, "dtype_names": dtypes, "shapes": shapes, "checksums": checksums}
-        for key, value in lists.items():
-            if not isinstance(value, list):
-                raise ProtocolError(f"update_info.{key} must be a list")
+    def parse(cls, raw: Any) -> ChunkInfo:
+        if not isinstance(raw, Mapping):
+            raise ProtocolError("update_info must be a JSON object")
+        known = {"names", "dtype_names", "shapes", "checksums", "bucket_bytes"}
+        unknown = set(raw) - known
+        if unknown:
+            raise ProtocolError(f"unknown update_info keys {sorted(unknown)}; expected {sorted(known)}")
+        lists = {key: _require(raw, key, list, "a list") for key in ("names", "dtype_names", "shapes", "checksums")}
         if len({len(v) for v in lists.values()}) != 1:
             raise ProtocolError(
                 "update_info lists differ in length: " + ", ".join(f"{k}={len(v)}" for k, v in lists.items())
             )
-        if not names:
+        if not lists["names"]:
             raise ProtocolError("update_info.names is empty")
         bucket_bytes = raw.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
-        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ProtocolError("update_info.bucket_bytes must be a positive integer")
         tensors = []
-        for name, dtype, shape, checksum in zip(names, dtypes, shapes, checksums):
+        for name, dtype, shape, checksum in zip(*lists.values()):
+            if not isinstance(name, str) or not name:
+                raise ProtocolError(f"tensor names must be non-empty strings, got {name!r}")
             if dtype not in DTYPE_BYTES:
                 raise ProtocolError(f"{name}: dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            if not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape
+            ):
                 raise ProtocolError(f"{name}: shape must be a list of non-negative integers")
-            tensors.append(TensorMeta(str(name), dtype, tuple(shape), str(checksum)))
+            if not isinstance(checksum, str):
+                raise ProtocolError(f"{name}: checksum must be a string")
+            tensors.append(TensorMeta(name, dtype, tuple(shape), checksum))
         return cls(tuple(tensors), bucket_bytes)
 
     def to_json(self) -> dict[str, Any]:
@@ -152,10 +222,15 @@ def _align(n: int) -> int:
 
 
 def tensor_checksum(tensor: Any) -> str:
-    """xxh3-128 of a CPU tensor's bytes in row-major order; the same on both sides."""
+    """xxh3-128 of a CPU tensor's row-major bytes, with -0.0 counted as +0.0 (adding +0.0
+    does exactly that and leaves every other value alone). The server digests what its
+    kernels compute, and a kernel cannot tell the two zeros apart."""
     import torch
 
-    t = tensor.detach().contiguous()
+    t = tensor.detach()
+    if t.is_floating_point():
+        t = t + 0.0
+    t = t.contiguous()
     return xxhash.xxh3_128_hexdigest(memoryview(t.view(-1).view(torch.uint8).numpy()))
 
 

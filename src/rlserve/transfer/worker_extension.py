@@ -1,51 +1,147 @@
-"""Methods rlserve adds to every vLLM worker (vLLM's `worker_extension_cls` mechanism),
-called by name through `collective_rpc`: abandon an update and digest the
-weights the worker serves."""
+"""Methods rlserve adds to every vLLM worker (vLLM's `worker_extension_cls`), which rlserve's
+server calls through `collective_rpc` to drive `rlserve_gloo` with typed replies.
+
+Each returns a `Reply` as a dict and never raises for an expected failure. The two long
+operations, the rendezvous and receiving a chunk, run in a thread of their own and report
+through `notify.Notifier` when they end, so vLLM's engine loop keeps stepping (and answering
+other calls) while the trainer connects or sends.
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
-from rlserve.transfer.protocol import combined_checksum, tensor_checksum
+from rlserve.transfer.manifest import read_manifest
+from rlserve.transfer.notify import Notifier
+from rlserve.transfer.protocol import ChunkInfo, ErrorCode, InitInfo, ProtocolError, Reply, WorkerError
+from rlserve.transfer.served import ServedWeights
+
+logger = logging.getLogger(__name__)
 
 
 class RlserveWorkerExtension:
     """Mixed into vLLM's Worker class; `self` is the worker."""
 
-    def rlserve_abort_weight_update(self) -> None:
-        """Drop the open update session. Only staging backends can promise the served weights
-        are untouched; the controller knows which backend it drives."""
+    def rlserve_begin_init(self, op: str, notify_address: str, init_info: dict[str, Any], timeout_s: float) -> dict:
+        """Start joining the trainer's group; the outcome arrives as a notice for `op`."""
+
+        def work() -> Reply:
+            receiver.join(info, op)
+            return Reply(True)
+
+        try:
+            receiver = self._rlserve_receiver()
+            info = InitInfo.parse(init_info, timeout_s)
+        except (WorkerError, ProtocolError) as e:
+            return _failure(e).to_dict()
+        receiver.begin_init(op)
+        _in_thread(f"rlserve-init-{op[:8]}", receiver.notifier, op, notify_address, work)
+        return Reply(True).to_dict()
+
+    def rlserve_cancel_init(self, op: str) -> dict:
+        return _run(lambda: self._rlserve_receiver().cancel_init(op))
+
+    def rlserve_begin_session(self) -> dict:
+        return _run(lambda: self._rlserve_receiver().start_session())
+
+    def rlserve_begin_chunk(self, op: str, notify_address: str, update_info: dict[str, Any]) -> dict:
+        """Start receiving one chunk; the outcome arrives as a notice for `op`."""
+
+        def work() -> Reply:
+            receiver.receive(info)
+            return Reply(True)
+
+        try:
+            receiver = self._rlserve_receiver()
+            info = ChunkInfo.parse(update_info)
+        except (WorkerError, ProtocolError) as e:
+            return _failure(e).to_dict()
+        _in_thread(f"rlserve-chunk-{op[:8]}", receiver.notifier, op, notify_address, work)
+        return Reply(True).to_dict()
+
+    def rlserve_commit(self) -> dict:
+        """Load the staged weights into the model (on the engine loop: the engine is paused)."""
+        from vllm.config import set_current_vllm_config
+
+        def commit() -> None:
+            engine = self._rlserve_engine()
+            with set_current_vllm_config(self.vllm_config):
+                engine.receiver.commit(engine.model, engine.model_config, self._rlserve_served())
+            # As vLLM's own finish does: loaded weights bypass the model runner's reload.
+            reset_lora = getattr(self.model_runner, "reset_lora_state", None)
+            if reset_lora is not None:
+                reset_lora()
+
+        return _run(commit)
+
+    def rlserve_abort_session(self) -> dict:
+        return _run(lambda: self._rlserve_receiver().abort())
+
+    def rlserve_digest(self, budget_s: float) -> dict:
+        """Digest the served weights for up to `budget_s`; `data.done` once all are."""
+
+        def digest() -> Reply:
+            served = self._rlserve_served()
+            done = served.advance(budget_s)
+            data: dict[str, Any] = {"done": done}
+            if done:
+                data.update(per_tensor=dict(served.digests), inconsistent=sorted(served.inconsistent))
+            return Reply(True, data=data)
+
+        return _run(digest)
+
+    def rlserve_forget_digests(self) -> dict:
+        """The served weights changed outside rlserve_gloo (an in-place backend's update)."""
+        return _run(lambda: self._rlserve_served().invalidate())
+
+    # Helpers (no RPC calls these) -------------------------------------------------------
+
+    def _rlserve_served(self) -> ServedWeights:
+        """This worker's served-weight digests, kept between calls (cached until a commit)."""
+        served = getattr(self, "_rlserve_served_weights", None)
+        if served is None:
+            model = self.model_runner.get_model()
+            names = read_manifest(self.vllm_config.model_config.model)
+            served = ServedWeights(model, names, self.vllm_config.parallel_config.tensor_parallel_size)
+            self._rlserve_served_weights = served
+        return served
+
+    def _rlserve_engine(self) -> Any:
         engine = getattr(self, "weight_transfer_engine", None)
-        if engine is None:
-            return
-        abort = getattr(engine, "abort", None)
-        if abort is not None:
-            abort()
-        if getattr(self, "_weight_update_active", False):
-            # Close the worker's own session bookkeeping the way a finish would, without
-            # loading anything (the staging backend's finish is a no-op once aborted).
-            self.finish_weight_update()
+        if engine is None or not hasattr(engine, "receiver"):
+            raise WorkerError(ErrorCode.WRONG_STATE, "the worker's weight-transfer backend is not rlserve_gloo")
+        return engine
 
-    def rlserve_weight_checksums(self) -> dict[str, Any]:
-        """Per-tensor digests (HF checkpoint names) of the weights this worker serves: the
-        checkpoint it loaded, overlaid with every tensor committed by a weight update since."""
-        cache = getattr(self, "_rlserve_checkpoint_checksums", None)
-        if cache is None:
-            cache = _checkpoint_checksums(self.vllm_config.model_config.model)
-            self._rlserve_checkpoint_checksums = cache
-        engine = getattr(self, "weight_transfer_engine", None)
-        committed = getattr(engine, "committed_checksums", {}) if engine is not None else {}
-        per_tensor = {**cache, **committed}
-        return {"per_tensor": per_tensor, "overall": combined_checksum(per_tensor)}
+    def _rlserve_receiver(self) -> Any:
+        return self._rlserve_engine().receiver
 
 
-def _checkpoint_checksums(model_dir: str) -> dict[str, str]:
-    from pathlib import Path
+def _in_thread(name: str, notifier: Notifier, op: str, notify_address: str, work: Callable[[], Reply]) -> None:
+    def run() -> None:
+        try:
+            reply = work()
+        except (WorkerError, ProtocolError) as e:
+            reply = _failure(e)
+        except Exception as e:  # a bug: report it rather than leave the server waiting
+            logger.exception("%s failed", name)
+            reply = Reply(False, None, f"{type(e).__name__}: {e}")
+        notifier.send(notify_address, op, reply)
 
-    from safetensors.torch import load_file
+    threading.Thread(target=run, name=name, daemon=True).start()
 
-    out: dict[str, str] = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        for name, tensor in load_file(str(path)).items():
-            out[name] = tensor_checksum(tensor)
-    return out
+
+def _failure(error: Exception) -> Reply:
+    if isinstance(error, WorkerError):
+        return Reply.failure(error.code, str(error))
+    return Reply.failure(ErrorCode.INVALID_INFO, str(error))
+
+
+def _run(call: Callable[[], Reply | None]) -> dict:
+    try:
+        reply = call()
+    except (WorkerError, ProtocolError) as e:
+        reply = _failure(e)
+    return (reply or Reply(True)).to_dict()

@@ -141,9 +141,10 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Abort in-flight requests by request_id; their streams end with finish_reason ABORTED.
-        Preconditions: none; unknown or already finished ids are ignored.
-        Idempotent. Status: OK.
+        """Abort requests by request_id, also requests held while generation is paused; their
+        streams end with finish_reason ABORTED. Preconditions: none; unknown or already finished
+        ids are ignored. Idempotent. Status: OK; INVALID_ARGUMENT beyond the server's limits
+        (max_abort_ids, max_id_bytes).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -159,13 +160,14 @@ class ControlServicer:
 
     def PauseGeneration(self, request, context):
         """Pause generation. ABORT ends in-flight requests (finish_reason ABORTED, partial output
-        kept); WAIT lets them finish; KEEP freezes them and continues them after resume;
-        UNSPECIFIED means ABORT. Returns only when the engine is idle (no step running).
-        clear_cache (unset: true) resets the prefix cache. New generation requests are held
-        (not rejected) until resume. Idempotent: pausing when paused is OK, and a stronger mode
-        (ABORT > WAIT > KEEP) applies to what is left.
-        Status: INVALID_ARGUMENT for an unknown mode; ABORTED when a resume overtook a WAIT
-        pause before it drained.
+        kept); WAIT lets them finish in the engine (whether or not their clients read them);
+        KEEP freezes them and continues them after resume; UNSPECIFIED means ABORT. Returns only
+        when the engine is idle (no step running). clear_cache (unset: true) resets the prefix
+        cache. New generation requests are held (not rejected) until resume. Idempotent:
+        pausing when paused is OK, and a stronger mode (ABORT > WAIT > KEEP) applies to what is
+        left: KEEP then WAIT lets the kept requests finish, then ABORT ends what is left.
+        Status: INVALID_ARGUMENT for an unknown mode; FAILED_PRECONDITION for KEEP -> WAIT while
+        a weight update is open (the kept requests would run during the update).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -173,8 +175,10 @@ class ControlServicer:
 
     def ResumeGeneration(self, request, context):
         """Resume generation: kept requests continue, held ones start. Idempotent: OK when running.
-        Status: FAILED_PRECONDITION while memory is asleep (call WakeUp) or the weights are
-        inconsistent (after a level-2 sleep or a failed update: load new weights first).
+        Status: FAILED_PRECONDITION while memory is asleep (call WakeUp), a weight update is open,
+        or the weights are inconsistent (after a level-2 sleep or a failed update: load new
+        weights first); ABORTED while a WAIT pause is still draining (resume once
+        PauseGeneration returns, or end the drain with PauseGeneration(ABORT)).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -221,11 +225,13 @@ class ControlServicer:
         """Set up the configured weight-transfer backend's transport with the trainer from
         init_info_json (backend-specific; for collectives: master_address, master_port,
         rank_offset, world_size, optional timeout_s; the trainer is rank 0). Bounded by a
-        deadline (timeout_s, or the server's --transfer-timeout-s). Re-init replaces the old
-        transport; a failed init leaves it as it was.
+        deadline: timeout_s, capped by the server's --transfer-timeout-s. With rlserve_gloo the
+        server keeps generating and answering while it waits for the trainer, and a caller that
+        goes away ends the wait. Re-init replaces the old transport; a failed init leaves it as
+        it was.
         Status: FAILED_PRECONDITION without weight transfer configured; INVALID_ARGUMENT for
-        malformed JSON; DEADLINE_EXCEEDED when the trainer does not show up in time; ABORTED
-        while an update session is open.
+        malformed JSON or keys; DEADLINE_EXCEEDED when the trainer does not show up in time;
+        ABORTED while an update session or another init is open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -253,10 +259,12 @@ class ControlServicer:
     def UpdateWeights(self, request, context):
         """Receive one chunk described by update_info_json (for rlserve_gloo: names, dtype_names,
         shapes, checksums, bucket_bytes) while the trainer sends it on the backend's transport.
-        Status: FAILED_PRECONDITION without an open session; INVALID_ARGUMENT for bad JSON,
-        unknown or duplicate names, wrong shapes or dtypes, mismatched list lengths or
-        checksums; DEADLINE_EXCEEDED when the trainer stops sending. Any error drops the
-        session; with rlserve_gloo the served weights are unchanged.
+        A partial update is fine: the other tensors of a fused layer it touches are completed
+        from the weights being served. Status: FAILED_PRECONDITION without an open session or
+        with a broken transport; INVALID_ARGUMENT for bad JSON, unknown or duplicate names,
+        wrong shapes or dtypes, mismatched list lengths or checksums; DEADLINE_EXCEEDED when the
+        trainer stops sending (the transport is then out of step: re-initialize it). Any error
+        drops the session; with rlserve_gloo the served weights are unchanged.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -265,9 +273,10 @@ class ControlServicer:
     def FinishWeightUpdate(self, request, context):
         """Commit: the new weights go live, every cached KV block is dropped (kept requests are
         recomputed on resume), and weight_version (when set) is published. Resume afterwards.
-        Status: FAILED_PRECONDITION without an open session; INVALID_ARGUMENT for an empty
-        weight_version; INTERNAL when the commit itself failed (the weights are then marked
-        inconsistent and resume is refused until a complete update succeeds).
+        Status: FAILED_PRECONDITION without an open session; INVALID_ARGUMENT for an empty or
+        too long (256 bytes) weight_version; INTERNAL when the commit itself failed in the engine
+        (the weights are then marked inconsistent and resume is refused until a complete update
+        succeeds; the next StartWeightUpdate starts clean).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -276,8 +285,8 @@ class ControlServicer:
     def UpdateWeightVersion(self, request, context):
         """Set the weight version label without moving weights. Never pauses, aborts or loses
         requests: tokens sampled afterwards carry the new label (see weight_version_spans).
-        Idempotent. Status: INVALID_ARGUMENT for an empty version. rlserve.v1.Lifecycle has a
-        compare-and-set form.
+        Idempotent. Status: INVALID_ARGUMENT for an empty version or one over 256 bytes.
+        rlserve.v1.Lifecycle has a compare-and-set form.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

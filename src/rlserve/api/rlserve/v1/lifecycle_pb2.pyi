@@ -32,7 +32,7 @@ class GetWeightChecksumRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WeightChecksum(_message.Message):
-    __slots__ = ("algorithm", "overall", "per_tensor")
+    __slots__ = ("algorithm", "overall", "per_tensor", "inconsistent_tensors")
     class PerTensorEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -43,10 +43,12 @@ class WeightChecksum(_message.Message):
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     OVERALL_FIELD_NUMBER: _ClassVar[int]
     PER_TENSOR_FIELD_NUMBER: _ClassVar[int]
+    INCONSISTENT_TENSORS_FIELD_NUMBER: _ClassVar[int]
     algorithm: str
     overall: str
     per_tensor: _containers.ScalarMap[str, str]
-    def __init__(self, algorithm: _Optional[str] = ..., overall: _Optional[str] = ..., per_tensor: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    inconsistent_tensors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, algorithm: _Optional[str] = ..., overall: _Optional[str] = ..., per_tensor: _Optional[_Mapping[str, str]] = ..., inconsistent_tensors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WeightUpdateSession(_message.Message):
     __slots__ = ("session_id", "is_draft", "num_chunks", "num_tensors", "num_bytes", "started_unix_s")
@@ -97,7 +99,7 @@ class AuditEntry(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., operation: _Optional[str] = ..., detail: _Optional[str] = ..., outcome: _Optional[str] = ..., unix_time_s: _Optional[float] = ...) -> None: ...
 
 class LifecycleState(_message.Message):
-    __slots__ = ("revision", "pause_phase", "pause_mode", "asleep", "sleep_level", "weights_consistent", "inconsistency_reason", "weight_version", "num_held_requests", "engines", "capabilities", "recent_mutations", "transport_ready", "update_session")
+    __slots__ = ("revision", "pause_phase", "pause_mode", "asleep", "sleep_level", "weights_consistent", "inconsistency_reason", "weight_version", "num_held_requests", "engines", "capabilities", "recent_mutations", "transport_ready", "update_session", "transport_initializing")
     REVISION_FIELD_NUMBER: _ClassVar[int]
     PAUSE_PHASE_FIELD_NUMBER: _ClassVar[int]
     PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +114,7 @@ class LifecycleState(_message.Message):
     RECENT_MUTATIONS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_READY_FIELD_NUMBER: _ClassVar[int]
     UPDATE_SESSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_INITIALIZING_FIELD_NUMBER: _ClassVar[int]
     revision: int
     pause_phase: PausePhase
     pause_mode: _control_pb2.PauseMode
@@ -126,7 +129,8 @@ class LifecycleState(_message.Message):
     recent_mutations: _containers.RepeatedCompositeFieldContainer[AuditEntry]
     transport_ready: bool
     update_session: WeightUpdateSession
-    def __init__(self, revision: _Optional[int] = ..., pause_phase: _Optional[_Union[PausePhase, str]] = ..., pause_mode: _Optional[_Union[_control_pb2.PauseMode, str]] = ..., asleep: _Optional[_Iterable[str]] = ..., sleep_level: _Optional[int] = ..., weights_consistent: _Optional[bool] = ..., inconsistency_reason: _Optional[str] = ..., weight_version: _Optional[str] = ..., num_held_requests: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., capabilities: _Optional[_Union[_control_pb2.RlCapabilities, _Mapping]] = ..., recent_mutations: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ..., transport_ready: _Optional[bool] = ..., update_session: _Optional[_Union[WeightUpdateSession, _Mapping]] = ...) -> None: ...
+    transport_initializing: bool
+    def __init__(self, revision: _Optional[int] = ..., pause_phase: _Optional[_Union[PausePhase, str]] = ..., pause_mode: _Optional[_Union[_control_pb2.PauseMode, str]] = ..., asleep: _Optional[_Iterable[str]] = ..., sleep_level: _Optional[int] = ..., weights_consistent: _Optional[bool] = ..., inconsistency_reason: _Optional[str] = ..., weight_version: _Optional[str] = ..., num_held_requests: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., capabilities: _Optional[_Union[_control_pb2.RlCapabilities, _Mapping]] = ..., recent_mutations: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ..., transport_ready: _Optional[bool] = ..., update_session: _Optional[_Union[WeightUpdateSession, _Mapping]] = ..., transport_initializing: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightVersionRequest(_message.Message):
     __slots__ = ("weight_version", "expected_weight_version")

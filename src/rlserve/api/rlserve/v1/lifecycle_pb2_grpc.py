@@ -97,7 +97,9 @@ class LifecycleServicer:
         """Drop the open weight-update session. With the rlserve_gloo backend (which stages what it
         receives) the model keeps the weights and version it had; with an in-place backend
         (vLLM's nccl, ipc, ...) the weights are marked inconsistent and resume is refused until
-        a complete update succeeds. Idempotent: OK when no session is open.
+        a complete update succeeds. Idempotent: OK when no session is open. A session that sees
+        no call for its lease (--update-lease-s, default the transfer timeout) is aborted the
+        same way, and generation resumes when the old weights are intact.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,10 +107,16 @@ class LifecycleServicer:
 
     def GetWeightChecksum(self, request, context):
         """Digests of the weights the engine serves, per tensor (Hugging Face checkpoint names) and
-        overall: the checkpoint it loaded, overlaid with every tensor committed by an update
-        since. A trainer computes the same digests with rlserve.trainer (xxh3-128 of each
-        tensor's row-major bytes; overall over sorted (name, digest) pairs) and compares.
-        Read-only. Status: FAILED_PRECONDITION without weight transfer configured.
+        overall, read back from the model itself: fused layers are split into their checkpoint
+        tensors, vocabulary padding is cut off, and a layer whose weight lives in a packed
+        kernel (vLLM on CPU) is read through that kernel. So a digest describes what the engine
+        computes with, not what a trainer sent; a tied lm_head is checked against its embedding.
+        A trainer computes the same digests with rlserve.trainer (xxh3-128 of each tensor's
+        row-major bytes after adding +0.0, so that -0.0 counts as +0.0; overall over sorted
+        (name, digest) pairs) and compares. Computed between engine steps (generation goes on)
+        and cached until the next commit. Dense (unquantized) models with tensor parallel size 1.
+        Read-only. Status: FAILED_PRECONDITION without weight transfer configured, or for a
+        model whose served weights cannot be described in checkpoint names.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,220 @@
+"""One inference worker's side of `rlserve_gloo`: the gloo group with the trainer, the open
+update session's staging, the commit into the model, and digests of the served weights.
+
+Per chunk: check the update_info against the checkpoint manifest, vote with the trainer (so a
+refusal never leaves the trainer blocked), receive the buckets, verify every tensor's
+checksum, stage. At commit: complete partially sent layers from the served weights, then load
+everything through vLLM's layer-wise reload path (on CPU vLLM repacks linear weights after
+loading, so tensors are never written directly). An abort or any failure before the commit
+drops the staging and leaves the served weights untouched. A collective that failed or was
+abandoned half way leaves the group out of step with the trainer: it is then broken and only
+a new InitWeightTransferEngine makes it usable.
+
+Thread-safe: the rendezvous and the receiving run in transfer threads, everything else on
+vLLM's engine loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from rlserve.transfer.gloo_group import GlooGroup
+from rlserve.transfer.manifest import ManifestEntry
+from rlserve.transfer.notify import Notifier
+from rlserve.transfer.protocol import ChunkInfo, ErrorCode, InitInfo, WorkerError, plan_buckets, tensor_checksum
+from rlserve.transfer.served import ServedWeights
+
+logger = logging.getLogger(__name__)
+
+
+class GlooReceiver:
+    def __init__(self, manifest: Mapping[str, ManifestEntry], rank_in_server: int) -> None:
+        self._manifest = manifest
+        self._rank_in_server = rank_in_server
+        self.notifier = Notifier(rank_in_server)
+        self._lock = threading.Lock()
+        self._group: GlooGroup | None = None
+        self._broken = ""
+        self._init_op: str | None = None
+        self._staged: dict[str, torch.Tensor] | None = None
+        self._receiving = False
+
+    # Rendezvous --------------------------------------------------------------------------
+
+    def begin_init(self, op: str) -> None:
+        """`op` becomes the one rendezvous whose group will be kept; an older one still
+        running is discarded when it ends."""
+        with self._lock:
+            self._init_op = op
+
+    def cancel_init(self, op: str) -> None:
+        with self._lock:
+            if self._init_op == op:
+                self._init_op = None
+
+    def join(self, info: InitInfo, op: str | None = None) -> None:
+        """Join the trainer's group (blocks up to info.timeout_s). On success the new group
+        replaces the old one; on failure the old one stays as it was."""
+        rank = info.rank_offset + self._rank_in_server
+        try:
+            group = GlooGroup.join(info.master_address, info.master_port, rank, info.world_size, info.timeout_s)
+        except Exception as e:  # torch raises DistNetworkError / DistStoreError / RuntimeError
+            raise WorkerError(ErrorCode.TIMEOUT, f"rendezvous with the trainer failed: {e}") from e
+        with self._lock:
+            if op is not None and op != self._init_op:
+                raise WorkerError(ErrorCode.TIMEOUT, "the rendezvous was cancelled or superseded")
+            if self._receiving:
+                raise WorkerError(ErrorCode.WRONG_STATE, "a chunk is still being received on the old transport")
+            self._group, self._broken, self._staged, self._init_op = group, "", None, None
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._group, self._staged = None, None
+
+    # Session -----------------------------------------------------------------------------
+
+    def start_session(self) -> None:
+        """A fresh session: whatever an earlier one left behind is dropped."""
+        with self._lock:
+            self._check_transport()
+            if self._receiving:
+                raise WorkerError(ErrorCode.WRONG_STATE, "a chunk of an earlier session is still being received")
+            self._staged = {}
+
+    def abort(self) -> None:
+        """Drop the staging; the served weights were never touched. A chunk still on the wire
+        leaves the group out of step with the trainer."""
+        with self._lock:
+            self._staged = None
+            if self._receiving:
+                self._broken = "an update was aborted while a chunk was on the wire"
+
+    def receive(self, info: ChunkInfo) -> None:
+        with self._lock:
+            self._check_transport()
+            if self._staged is None:
+                raise WorkerError(ErrorCode.WRONG_STATE, "no update session is open")
+            if self._receiving:
+                raise WorkerError(ErrorCode.WRONG_STATE, "another chunk is being received")
+            group, staged_names = self._group, set(self._staged)
+            self._receiving = True
+        assert group is not None
+        try:
+            staged = self._receive(group, info, staged_names)
+        finally:
+            with self._lock:
+                self._receiving = False
+        with self._lock:
+            if self._staged is None:
+                raise WorkerError(ErrorCode.WRONG_STATE, "the update was aborted while the chunk arrived")
+            self._staged.update(staged)
+
+    def _receive(self, group: GlooGroup, info: ChunkInfo, staged_names: set[str]) -> dict[str, torch.Tensor]:
+        problem = self._check_against_manifest(info, staged_names)
+        try:
+            go = group.vote(problem is None)
+            if go:
+                received = _receive_buckets(group, info)
+        except RuntimeError as e:  # gloo: timeout, or the trainer's connection closed
+            with self._lock:
+                self._broken = f"a collective with the trainer failed ({e})"
+            raise WorkerError(ErrorCode.TIMEOUT, f"receiving weights failed: {e}") from e
+        if not go:
+            raise WorkerError(ErrorCode.INVALID_INFO, problem or "the trainer refused this chunk")
+        out: dict[str, torch.Tensor] = {}
+        bad = []
+        for meta in info.tensors:
+            tensor = received[meta.name]
+            if tensor_checksum(tensor) != meta.checksum:
+                bad.append(meta.name)
+            out[meta.name] = tensor
+        if bad:
+            raise WorkerError(ErrorCode.CHECKSUM_MISMATCH, f"tensors {bad[:5]} do not match the trainer's checksums")
+        return out
+
+    def _check_against_manifest(self, info: ChunkInfo, staged_names: set[str]) -> str | None:
+        seen: set[str] = set()
+        for t in info.tensors:
+            entry = self._manifest.get(t.name)
+            if entry is None:
+                return f"unknown tensor {t.name!r}: the checkpoint has no such name"
+            if t.name in seen or t.name in staged_names:
+                return f"tensor {t.name!r} is sent twice in this update"
+            if t.shape != entry.shape:
+                return f"{t.name}: shape {list(t.shape)} != checkpoint shape {list(entry.shape)}"
+            seen.add(t.name)
+        return None
+
+    def _check_transport(self) -> None:
+        if self._group is None:
+            raise WorkerError(ErrorCode.WRONG_STATE, "no transport; call InitWeightTransferEngine first")
+        if self._broken:
+            raise WorkerError(ErrorCode.WRONG_STATE, f"the transport is broken ({self._broken}); re-initialize it")
+
+    # Commit ------------------------------------------------------------------------------
+
+    def commit(self, model: torch.nn.Module, model_config: Any, served: ServedWeights) -> int:
+        """Load the staged tensors, completing partly sent layers from `served`; returns how
+        many tensors were loaded. `served` is told that the weights changed."""
+        with self._lock:
+            if self._receiving:
+                raise WorkerError(ErrorCode.WRONG_STATE, "a chunk is still being received")
+            staged, self._staged = self._staged, None
+        if staged is None:
+            raise WorkerError(ErrorCode.WRONG_STATE, "no update session is open")
+        if not staged:
+            return 0
+        weights = {**served.complete(staged), **staged}
+        try:
+            _load(model, model_config, weights)
+        except Exception as e:
+            logger.exception("loading the staged weights failed")
+            raise WorkerError(ErrorCode.COMMIT_FAILED, f"loading the staged weights failed: {e}") from e
+        finally:
+            served.invalidate()
+        return len(weights)
+
+
+def _receive_buckets(group: GlooGroup, info: ChunkInfo) -> dict[str, torch.Tensor]:
+    """Post every bucket's receive at once (the buckets are the staging memory)."""
+    buckets = plan_buckets(info.tensors, info.bucket_bytes)
+    buffers = [torch.empty(b.num_bytes, dtype=torch.uint8) for b in buckets]
+    works = [group.broadcast_async(buf) for buf in buffers]
+    out: dict[str, torch.Tensor] = {}
+    for bucket, buffer, work in zip(buckets, buffers, works):
+        work.wait()
+        for index, offset in bucket.placements:
+            meta = info.tensors[index]
+            dtype = getattr(torch, meta.dtype_name)
+            out[meta.name] = buffer[offset : offset + meta.num_bytes].view(dtype).view(meta.shape)
+    return out
+
+
+def _load(model: torch.nn.Module, model_config: Any, weights: Mapping[str, torch.Tensor]) -> None:
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+    try:
+        model.load_weights(iter(weights.items()))
+    finally:
+        # Also after a failure: unwrap the loaders and put back what was not loaded, so the
+        # next complete update starts from a model in a loadable state.
+        finalize_layerwise_reload(model, model_config)
+    _refresh_tied_lm_head(model, model_config)
+
+
+def _refresh_tied_lm_head(model: torch.nn.Module, model_config: Any) -> None:
+    """vLLM's layer-wise reload processes the embedding but not an lm_head tied to it, whose
+    CPU GEMM kernel stays packed from the old weights (outputs then differ from a fresh
+    engine's); re-running its post-load processing repacks it from the shared weight."""
+    if not getattr(model_config.hf_config, "tie_word_embeddings", False):
+        return
+    lm_head = getattr(model, "lm_head", None)
+    quant_method = getattr(lm_head, "quant_method", None)
+    if quant_method is not None:
+        quant_method.process_weights_after_loading(lm_head)

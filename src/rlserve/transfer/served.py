@@ -1,0 +1,180 @@
+"""The weights a vLLM model actually serves, in checkpoint names, read back from the model.
+
+vLLM fuses checkpoint tensors (q/k/v into qkv_proj, gate/up into gate_up_proj), pads the
+vocabulary, ties the lm_head to the embedding, and on CPU packs each linear layer's weight
+into an opaque GEMM kernel and drops the parameter. A `Site` is one place that serves (a row
+range of) a checkpoint tensor; reading it undoes fusion and padding, and reads a packed layer
+through its own kernel (an identity matrix times W is W exactly), so a digest describes what
+the model computes with, not what was sent. Dense (unquantized) layers with tensor parallel
+size 1 only; anything else is refused rather than described wrongly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from rlserve.transfer.protocol import ErrorCode, WorkerError, combined_checksum, tensor_checksum
+
+# Rows of the identity fed to a packed kernel at once: bounds the probe's scratch memory.
+PROBE_BLOCK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class Site:
+    checkpoint_name: str
+    module_name: str
+    module: torch.nn.Module
+    param_name: str
+    rows: slice | None
+    # Read through the module's compute kernel (CPU packed GEMM) rather than the parameter.
+    via_kernel: bool
+    # A second place serving a tensor another site loads (a tied lm_head): checked, never loaded.
+    is_alias: bool = False
+
+
+class ServedWeights:
+    def __init__(self, model: torch.nn.Module, checkpoint_names: Iterable[str], tensor_parallel_size: int) -> None:
+        if tensor_parallel_size != 1:
+            raise WorkerError(ErrorCode.UNSUPPORTED, "served-weight digests need tensor_parallel_size 1")
+        self._names = frozenset(checkpoint_names)
+        self._sites = _find_sites(model, self._names)
+        missing = sorted(self._names - self._sites.keys())
+        if missing:
+            raise WorkerError(
+                ErrorCode.UNSUPPORTED,
+                f"cannot find checkpoint tensors {missing[:5]} among the served parameters",
+            )
+        self._digests: dict[str, str] = {}
+        self._inconsistent: set[str] = set()
+        self._pending: list[str] = sorted(self._names)
+
+    # Digests -----------------------------------------------------------------------------
+
+    def invalidate(self) -> None:
+        """The served weights changed (a commit); digest everything again on next use."""
+        self._digests.clear()
+        self._inconsistent.clear()
+        self._pending = sorted(self._names)
+
+    def advance(self, budget_s: float) -> bool:
+        """Digest tensors until `budget_s` is spent; True once every tensor is digested. Run
+        between engine steps, so generation goes on while a large model is digested."""
+        deadline = time.monotonic() + budget_s
+        while self._pending and time.monotonic() < deadline:
+            name = self._pending.pop()
+            digests = {tensor_checksum(self.read(site)) for site in self._sites[name]}
+            if len(digests) == 1:
+                self._digests[name] = digests.pop()
+            else:
+                # The places serving this tensor disagree: no single tensor describes it.
+                self._inconsistent.add(name)
+                self._digests[name] = combined_checksum({str(i): d for i, d in enumerate(sorted(digests))})
+        return not self._pending
+
+    @property
+    def digests(self) -> Mapping[str, str]:
+        return self._digests
+
+    @property
+    def inconsistent(self) -> frozenset[str]:
+        return frozenset(self._inconsistent)
+
+    # Loading support ---------------------------------------------------------------------
+
+    def complete(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The served values of every checkpoint tensor that shares a layer with `names` but is
+        not among them: vLLM reloads a layer as a whole, so a partial update of a fused layer
+        must carry its other members as they are served now."""
+        given = set(names)
+        modules = {site.module_name for n in given for site in self._sites.get(n, ()) if not site.is_alias}
+        missing = {
+            site.checkpoint_name
+            for sites in self._sites.values()
+            for site in sites
+            if not site.is_alias and site.module_name in modules and site.checkpoint_name not in given
+        }
+        return {name: self.read(self._loaded_site(name)).clone() for name in sorted(missing)}
+
+    def _loaded_site(self, name: str) -> Site:
+        return next(site for site in self._sites[name] if not site.is_alias)
+
+    @staticmethod
+    def read(site: Site) -> torch.Tensor:
+        module = site.module
+        tensor = _read_kernel(module) if site.via_kernel else getattr(module, site.param_name).detach()
+        return tensor[site.rows] if site.rows is not None else tensor
+
+
+def _find_sites(model: torch.nn.Module, names: frozenset[str]) -> dict[str, list[Site]]:
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    def site(name: str, module_name: str, module: torch.nn.Module, param_name: str, rows: slice | None, **kw):
+        # On CPU a linear layer or an lm_head computes with a packed copy of its weight.
+        kernel = hasattr(module, "cpu_linear") and isinstance(module, (LinearBase, ParallelLMHead))
+        if rows is None and isinstance(module, VocabParallelEmbedding):
+            rows = slice(0, module.org_vocab_size)  # the rest is vocabulary padding
+        return Site(name, module_name, module, param_name, rows, kernel and param_name == "weight", **kw)
+
+    packed = dict(getattr(type(model), "packed_modules_mapping", None) or {})
+    sites: dict[str, list[Site]] = {}
+    loaded_by: dict[int, str] = {}  # id(parameter) -> the checkpoint tensor loaded into it
+    unclaimed: list[tuple[str, torch.nn.Module, str, torch.nn.Parameter]] = []
+    for module_name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+            raise WorkerError(ErrorCode.UNSUPPORTED, f"{module_name} is quantized; its weights cannot be digested")
+        prefix, _, last = module_name.rpartition(".")
+        for param_name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}"
+            if last in packed:
+                members = packed[last]
+                offset = 0
+                for member, size in zip(members, _output_sizes(module, len(members), module_name)):
+                    name = ".".join(filter(None, (prefix, member, param_name)))
+                    rows = slice(offset, offset + size)
+                    sites.setdefault(name, []).append(site(name, module_name, module, param_name, rows))
+                    offset += size
+                loaded_by.setdefault(id(param), full)
+            elif full in names:
+                sites.setdefault(full, []).append(site(full, module_name, module, param_name, None))
+                loaded_by.setdefault(id(param), full)
+            else:
+                unclaimed.append((module_name, module, param_name, param))
+    # A parameter shared with one that a checkpoint tensor loads (a tied lm_head) serves it too.
+    for module_name, module, param_name, param in unclaimed:
+        owner = loaded_by.get(id(param))
+        if owner in sites:
+            sites[owner].append(site(owner, module_name, module, param_name, None, is_alias=True))
+    return {name: s for name, s in sites.items() if name in names}
+
+
+def _output_sizes(module: torch.nn.Module, num_members: int, module_name: str) -> list[int]:
+    sizes = list(getattr(module, "output_sizes", None) or ())
+    if len(sizes) != num_members:
+        raise WorkerError(ErrorCode.UNSUPPORTED, f"cannot split the fused layer {module_name} into its members")
+    return sizes
+
+
+def _read_kernel(module: torch.nn.Module) -> torch.Tensor:
+    """W (out x in) as the layer's kernel computes it: rows of the identity through it."""
+    weight = module.weight
+    out_features = getattr(module, "output_size_per_partition", None) or module.num_embeddings_per_partition
+    in_features = getattr(module, "input_size_per_partition", None) or module.embedding_dim
+    result = torch.empty(out_features, in_features, dtype=weight.dtype)
+    block = max(1, min(in_features, PROBE_BLOCK_ELEMENTS // max(out_features, in_features)))
+    with torch.no_grad():
+        for start in range(0, in_features, block):
+            stop = min(in_features, start + block)
+            eye = torch.zeros(stop - start, in_features, dtype=weight.dtype)
+            eye[torch.arange(stop - start), torch.arange(start, stop)] = 1
+            result[:, start:stop] = module.cpu_linear(eye, weight, None).t().to(weight.dtype)
+    return result
