@@ -1,24 +1,33 @@
-"""Shared fixtures: one tiny random-weight model, one real vLLM CPU engine per session, and a
-real gRPC server on 127.0.0.1:0 in front of it."""
+"""Shared fixtures: one tiny random-weight model; per session one real vLLM CPU engine with a
+real gRPC server on 127.0.0.1:0 in front of it, and one engine with the rlserve_gloo
+weight-transfer backend that the weight-transfer modules serve with servers of their own."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import pytest
 import pytest_asyncio
-from tiny_model import make_tiny_model
 
+from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
 from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
 from rlserve.config import EngineConfig, ServeConfig
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from tiny_model import make_tiny_model
 
 MAX_MODEL_LEN = 512
+INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # No model hub here: everything loads from local directories.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +58,29 @@ async def engine(engine_config: EngineConfig):
 
 
 @pytest_asyncio.fixture(scope="session")
+async def wt_engine(engine_config: EngineConfig):
+    from rlserve.engine.adapter import EngineAdapter
+
+    config = replace(engine_config, weight_transfer_backend="rlserve_gloo")
+    adapter = await asyncio.to_thread(EngineAdapter.start, config)
+    yield adapter
+    await adapter.close()
+    adapter.shutdown()
+
+
+@contextlib.contextmanager
+def insecure_serialization():
+    """While set, this process and the engines it starts pickle what msgpack cannot carry
+    (vLLM's VLLM_ALLOW_INSECURE_SERIALIZATION), so that a test can reach into a worker with
+    `collective_rpc(callable)`. An engine started inside needs it for as long as it lives."""
+    os.environ[INSECURE_SERIALIZATION] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[INSECURE_SERIALIZATION]
+
+
+@pytest_asyncio.fixture(scope="session")
 async def server(engine, engine_config: EngineConfig):
     from rlserve.server.app import RlserveServer
 
@@ -73,6 +105,11 @@ def inference(channel) -> inference_pb2_grpc.InferenceStub:
 @pytest.fixture(scope="session")
 def control(channel) -> control_pb2_grpc.ControlStub:
     return control_pb2_grpc.ControlStub(channel)
+
+
+@pytest.fixture(scope="session")
+def lifecycle(channel) -> lifecycle_pb2_grpc.LifecycleStub:
+    return lifecycle_pb2_grpc.LifecycleStub(channel)
 
 
 async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0) -> None:

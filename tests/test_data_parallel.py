@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import grpc
 import pytest_asyncio
-from test_weight_transfer import PROMPT, greedy, perturbed, run_trainer, save_weights
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
@@ -15,6 +14,8 @@ from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
 from rlserve.config import ServeConfig
 from rlserve.transfer.protocol import tensor_checksum
+
+from helpers import PROMPT, greedy, perturbed, run_trainer, save_weights
 
 
 @pytest_asyncio.fixture(scope="module")

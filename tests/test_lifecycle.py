@@ -14,15 +14,10 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import inference_pb2 as pb
-from rlserve.client import generate_request
 
-ABORT, WAIT, KEEP = cpb.PAUSE_MODE_ABORT, cpb.PAUSE_MODE_WAIT, cpb.PAUSE_MODE_KEEP
+from helpers import ABORT, KEEP, WAIT, finish, long_request, pause, started_streams, wait_for_state
+
 OK = grpc.StatusCode.OK
-
-
-@pytest.fixture(scope="module")
-def lifecycle(channel) -> lifecycle_pb2_grpc.LifecycleStub:
-    return lifecycle_pb2_grpc.LifecycleStub(channel)
 
 
 @pytest_asyncio.fixture(autouse=True)
@@ -31,31 +26,6 @@ async def running_afterwards(control, engine):
     yield
     await control.ResumeGeneration(cpb.ResumeGenerationRequest())
     assert engine.num_unfinished_requests() == 0
-
-
-def long_request(i: int, max_new_tokens: int = 200) -> pb.GenerateRequest:
-    return generate_request(f"Story number {i}:", max_new_tokens=max_new_tokens, ignore_eos=True, temperature=0.0)
-
-
-async def pause(control, mode, clear_cache: bool | None = None):
-    req = cpb.PauseGenerationRequest(mode=mode)
-    if clear_cache is not None:
-        req.clear_cache = clear_cache
-    await control.PauseGeneration(req)
-
-
-async def started_streams(inference, n: int, max_new_tokens: int = 200):
-    """n streams, each of which has produced at least one token."""
-    calls = [inference.GenerateStream(long_request(i, max_new_tokens)) for i in range(n)]
-    firsts = await asyncio.gather(*(c.read() for c in calls))
-    return calls, firsts
-
-
-async def finish(call, first) -> tuple[list[int], pb.SequenceOutput]:
-    out = [first]
-    while (r := await call.read()) != grpc.aio.EOF:
-        out.append(r)
-    return [t for r in out for t in r.outputs.token_ids], out[-1].outputs
 
 
 async def test_abort_ends_every_stream_with_its_partial_output(control, inference, engine):
@@ -78,7 +48,9 @@ async def test_wait_lets_every_stream_finish_before_returning(control, inference
 
 
 async def test_keep_freezes_streams_and_continues_them_identically(control, lifecycle, inference):
-    reference = [list((await inference.Generate(long_request(i, 48))).outputs.token_ids) for i in range(8)]
+    reference = [
+        list((await inference.Generate(long_request(f"Story number {i}:", 48))).outputs.token_ids) for i in range(8)
+    ]
     calls, firsts = await started_streams(inference, 8, max_new_tokens=48)
     await pause(control, KEEP)
     state = await lifecycle.GetState(lpb.GetStateRequest())
@@ -92,7 +64,7 @@ async def test_keep_freezes_streams_and_continues_them_identically(control, life
 async def test_requests_sent_while_paused_are_held_then_run(control, inference, lifecycle, engine):
     await pause(control, ABORT)
     watch = lifecycle.WatchState(lpb.WatchStateRequest())
-    held = [asyncio.ensure_future(inference.Generate(long_request(i, 8))) for i in range(5)]
+    held = [asyncio.ensure_future(inference.Generate(long_request(f"Story number {i}:", 8))) for i in range(5)]
     while (await watch.read()).num_held_requests < 5:
         pass
     assert engine.num_unfinished_requests() == 0, "held requests must not reach the engine"
@@ -107,7 +79,7 @@ async def test_requests_sent_while_paused_are_held_then_run(control, inference, 
 async def test_held_request_honours_its_deadline(control, inference, lifecycle):
     await pause(control, ABORT)
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await inference.Generate(long_request(0, 8), timeout=0.3)
+        await inference.Generate(long_request("Story number 0:", 8), timeout=0.3)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     watch = lifecycle.WatchState(lpb.WatchStateRequest())
     while (await watch.read()).num_held_requests != 0:
@@ -129,12 +101,12 @@ async def test_held_requests_are_capped(engine, engine_config):
             lifecycle = lifecycle_pb2_grpc.LifecycleStub(ch)
             await pause(control, ABORT)
             watch = lifecycle.WatchState(lpb.WatchStateRequest())
-            first = asyncio.ensure_future(inference.Generate(long_request(0, 4)))
+            first = asyncio.ensure_future(inference.Generate(long_request("Story number 0:", 4)))
             while (await watch.read()).num_held_requests < 1:
                 pass
             watch.cancel()
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await inference.Generate(long_request(1, 4))
+                await inference.Generate(long_request("Story number 1:", 4))
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             await control.ResumeGeneration(cpb.ResumeGenerationRequest())
             assert (await first).outputs.finish_info.num_output_tokens == 4
@@ -169,7 +141,7 @@ async def test_version_span_boundary_equals_tokens_before_the_pause(control, inf
     first_token = asyncio.Event()
 
     async def read_all() -> None:
-        async for r in inference.GenerateStream(long_request(0, 64)):
+        async for r in inference.GenerateStream(long_request("Story number 0:", 64)):
             chunks.append(r)
             first_token.set()
 
@@ -359,7 +331,4 @@ async def test_matrix(control, lifecycle, state_name, name, call, code, paused_a
 
 
 async def wait_for_phase(lifecycle, phase) -> None:
-    watch = lifecycle.WatchState(lpb.WatchStateRequest())
-    while (await watch.read()).pause_phase != phase:
-        pass
-    watch.cancel()
+    await wait_for_state(lifecycle, lambda s: s.pause_phase == phase)

@@ -1,5 +1,5 @@
 """Server behaviour around generation: concurrency, cancellation, deadlines, Abort, health,
-server/model info, and the lifecycle RPCs that answer UNIMPLEMENTED until they land."""
+server/model info."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import asyncio
 
 import grpc
 import pytest
-from conftest import eventually
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlserve.api.vllm import control_pb2 as cpb
@@ -16,11 +15,8 @@ from rlserve.client import generate_request
 from rlserve.config import ServeConfig
 from rlserve.server.app import RlserveServer
 
-
-def long_request(request_id: str = "", max_new_tokens: int = 400) -> pb.GenerateRequest:
-    return generate_request(
-        "Tell me a long story", max_new_tokens=max_new_tokens, ignore_eos=True, temperature=0.0, request_id=request_id
-    )
+from conftest import eventually
+from helpers import long_request, read_rest
 
 
 async def test_32_concurrent_streams_all_end_with_a_terminal_message(engine, inference):
@@ -38,7 +34,7 @@ async def test_32_concurrent_streams_all_end_with_a_terminal_message(engine, inf
 
 
 async def test_cancelled_stream_leaves_no_request_in_the_engine(engine, inference):
-    call = inference.GenerateStream(long_request())
+    call = inference.GenerateStream(long_request(max_new_tokens=400))
     await call.read()  # the request is running in the engine now
     assert engine.num_unfinished_requests() == 1
     call.cancel()
@@ -53,7 +49,7 @@ async def test_deadline_aborts_the_request(engine, inference):
 
 
 async def test_abort_ends_a_stream_with_aborted_and_ignores_unknown_ids(engine, inference, control):
-    call = inference.GenerateStream(long_request("to-abort"))
+    call = inference.GenerateStream(long_request(max_new_tokens=400, request_id="to-abort"))
     first = await call.read()
     await control.Abort(cpb.AbortRequest(request_ids=["to-abort", "never-existed"]))
     rest = await read_rest(call)
@@ -122,11 +118,3 @@ def pb_inference(channel):
     from rlserve.api.vllm import inference_pb2_grpc
 
     return inference_pb2_grpc.InferenceStub(channel)
-
-
-async def read_rest(call) -> list[pb.GenerateResponse]:
-    """The remaining messages of a stream already read with read() (the two styles can't mix)."""
-    out = []
-    while (r := await call.read()) != grpc.aio.EOF:
-        out.append(r)
-    return out

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -16,58 +14,47 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
-from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
 from rlserve.client import Client, generate_request
-from rlserve.config import EngineConfig, ServeConfig
+from rlserve.config import ServeConfig
 from rlserve.trainer import WeightSync
 from rlserve.transfer.gloo_group import GlooGroup
 from rlserve.transfer.protocol import ChunkInfo, TensorMeta, combined_checksum, tensor_checksum
 
-PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
-TRAINER = Path(__file__).with_name("trainer_process.py")
+from helpers import (
+    PROMPT,
+    checksum,
+    expect,
+    free_port,
+    greedy,
+    perturbed,
+    reference_outputs,
+    run_trainer,
+    save_weights,
+    serving,
+)
+
 INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
 
 
 @pytest_asyncio.fixture(scope="module")
-async def wt_engine(engine_config: EngineConfig):
-    from rlserve.engine.adapter import EngineAdapter
-
-    config = replace(engine_config, weight_transfer_backend="rlserve_gloo")
-    adapter = await asyncio.to_thread(EngineAdapter.start, config)
-    yield adapter
-    adapter.shutdown()
-
-
-@pytest_asyncio.fixture(scope="module")
-async def wt_server(wt_engine, engine_config):
-    from rlserve.server.app import RlserveServer
-
-    config = replace(engine_config, weight_transfer_backend="rlserve_gloo")
-    srv = RlserveServer(ServeConfig(engine=config, port=0, transfer_timeout_s=10.0))
-    await srv.start()
-    await srv.attach_engine(wt_engine)
-    yield srv
-    await srv.stop(0)
+async def wt(wt_engine, engine_config):
+    config = ServeConfig(engine=replace(engine_config, weight_transfer_backend="rlserve_gloo"), transfer_timeout_s=10.0)
+    async with serving(wt_engine, config) as stubs:
+        yield stubs
 
 
 @pytest.fixture(scope="module")
-def target(wt_server) -> str:
-    return f"127.0.0.1:{wt_server.port}"
+def target(wt) -> str:
+    return wt.target
 
 
-@pytest_asyncio.fixture(scope="module")
-async def stubs(target):
-    async with grpc.aio.insecure_channel(target) as ch:
-        yield (
-            control_pb2_grpc.ControlStub(ch),
-            inference_pb2_grpc.InferenceStub(ch),
-            lifecycle_pb2_grpc.LifecycleStub(ch),
-        )
+@pytest.fixture(scope="module")
+def stubs(wt):
+    return wt.control, wt.inference, wt.lifecycle
 
 
 @pytest_asyncio.fixture(autouse=True)
@@ -79,66 +66,6 @@ async def running_afterwards(stubs):
     state = await lifecycle.GetState(lpb.GetStateRequest())
     if state.weights_consistent:
         await control.ResumeGeneration(cpb.ResumeGenerationRequest())
-
-
-def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
-    weights = load_file(str(model_dir / "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    return {n: t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype) for n, t in weights.items()}
-
-
-def save_weights(weights: dict[str, torch.Tensor], path: Path) -> Path:
-    save_file({n: t.contiguous() for n, t in weights.items()}, str(path))
-    return path
-
-
-async def run_trainer(target: str, weights: Path, version: str, *extra: str) -> tuple[int, dict | None, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(TRAINER),
-        "--target",
-        target,
-        "--weights",
-        str(weights),
-        "--version",
-        version,
-        *extra,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
-    lines = [line for line in out.decode().splitlines() if line.startswith("{")]
-    return proc.returncode, (json.loads(lines[-1]) if lines else None), err.decode()[-2000:]
-
-
-async def greedy(inference, prompt: str = PROMPT, n: int = 24) -> list[int]:
-    r = generate_request(prompt, max_new_tokens=n, ignore_eos=True, temperature=0.0)
-    return list((await inference.Generate(r)).outputs.token_ids)
-
-
-async def reference_outputs(
-    model_dir: Path, weights: dict[str, torch.Tensor], tmp: Path, engine_config, prompt: str = PROMPT
-) -> list[int]:
-    """Greedy tokens of a fresh engine loaded from a checkpoint of `weights`."""
-    from vllm import SamplingParams
-
-    from rlserve.engine.adapter import EngineAdapter
-
-    ckpt = tmp / "checkpoint"
-    shutil.copytree(model_dir, ckpt)
-    save_weights(weights, ckpt / "model.safetensors")
-    fresh = await asyncio.to_thread(EngineAdapter.start, replace(engine_config, model=str(ckpt)))
-    try:
-        sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        async for out in fresh.llm.generate(prompt, sp, "reference"):
-            last = out
-        return list(last.outputs[0].token_ids)
-    finally:
-        fresh.shutdown()
-
-
-async def checksum(lifecycle) -> str:
-    return (await lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())).overall
 
 
 async def test_sync_equals_a_fresh_engine_on_the_same_weights(target, stubs, tiny_model_dir, tmp_path, engine_config):
@@ -270,13 +197,6 @@ async def paused_session(stubs, target):
     await control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
     yield trainer
     trainer.close()
-
-
-async def expect(code, awaitable) -> str:
-    with pytest.raises(grpc.RpcError) as e:  # aio, or the blocking client of a HandTrainer
-        await awaitable
-    assert e.value.code() == code, e.value.details()
-    return e.value.details()
 
 
 def norm_weight(model_dir: Path) -> tuple[str, torch.Tensor]:
@@ -419,11 +339,3 @@ async def test_without_weight_transfer_every_transfer_rpc_fails_closed(control):
     ):
         details = await expect(PRECONDITION, call(req))
         assert "weight transfer is not configured" in details
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

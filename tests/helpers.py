@@ -1,0 +1,182 @@
+"""Helpers the test modules share: request builders, stream readers, weight files, a trainer
+in another process, a reference engine, and bringing up a server over a shared engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import socket
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
+from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
+from rlserve.api.vllm import control_pb2 as cpb
+from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
+from rlserve.api.vllm import inference_pb2 as pb
+from rlserve.client import generate_request
+from rlserve.config import ServeConfig
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+TRAINER = Path(__file__).with_name("trainer_process.py")
+ABORT, WAIT, KEEP = cpb.PAUSE_MODE_ABORT, cpb.PAUSE_MODE_WAIT, cpb.PAUSE_MODE_KEEP
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def long_request(prompt: str = "Tell me a long story", max_new_tokens: int = 200, **kw) -> pb.GenerateRequest:
+    return generate_request(prompt, max_new_tokens=max_new_tokens, ignore_eos=True, temperature=0.0, **kw)
+
+
+async def read_rest(call) -> list[pb.GenerateResponse]:
+    """The remaining messages of a stream already read with read() (the two styles can't mix)."""
+    out = []
+    while (r := await call.read()) != grpc.aio.EOF:
+        out.append(r)
+    return out
+
+
+async def started_streams(inference, n: int, max_new_tokens: int = 200, prefix: str = "Story number"):
+    """n streams, each of which has produced at least one token."""
+    calls = [inference.GenerateStream(long_request(f"{prefix} {i}:", max_new_tokens)) for i in range(n)]
+    firsts = await asyncio.gather(*(c.read() for c in calls))
+    return calls, firsts
+
+
+async def finish(call, first) -> tuple[list[int], pb.SequenceOutput]:
+    """All token ids of a stream whose first message was read, and its final output."""
+    out = [first, *await read_rest(call)]
+    return [t for r in out for t in r.outputs.token_ids], out[-1].outputs
+
+
+async def pause(control, mode, clear_cache: bool | None = None) -> None:
+    req = cpb.PauseGenerationRequest(mode=mode)
+    if clear_cache is not None:
+        req.clear_cache = clear_cache
+    await control.PauseGeneration(req)
+
+
+async def wait_for_state(lifecycle, check, timeout_s: float = 30.0) -> lpb.LifecycleState:
+    """The first streamed state for which `check(state)` holds."""
+    watch = lifecycle.WatchState(lpb.WatchStateRequest())
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not check(state := await watch.read()):
+                pass
+        return state
+    finally:
+        watch.cancel()
+
+
+async def expect(code, awaitable) -> str:
+    with pytest.raises(grpc.RpcError) as e:  # aio, or a blocking client's future
+        await awaitable
+    assert e.value.code() == code, e.value.details()
+    return e.value.details()
+
+
+async def greedy(inference, prompt: str = PROMPT, n: int = 24) -> list[int]:
+    r = generate_request(prompt, max_new_tokens=n, ignore_eos=True, temperature=0.0)
+    return list((await inference.Generate(r)).outputs.token_ids)
+
+
+async def checksum(lifecycle) -> str:
+    return (await lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())).overall
+
+
+def checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype) for n, t in checkpoint(model_dir).items()}
+
+
+def save_weights(weights: dict[str, torch.Tensor], path: Path) -> Path:
+    save_file({n: t.contiguous() for n, t in weights.items()}, str(path))
+    return path
+
+
+async def run_trainer(target: str, weights: Path, version: str, *extra: str) -> tuple[int, dict | None, str]:
+    """tests/trainer_process.py: the SDK in its own process. Returns (exit code, stats, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(TRAINER),
+        "--target",
+        target,
+        "--weights",
+        str(weights),
+        "--version",
+        version,
+        *extra,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    lines = [line for line in out.decode().splitlines() if line.startswith("{")]
+    return proc.returncode, (json.loads(lines[-1]) if lines else None), err.decode()[-2000:]
+
+
+async def reference_outputs(
+    model_dir: Path, weights: dict[str, torch.Tensor], tmp: Path, engine_config, prompt: str = PROMPT, n: int = 24
+) -> list[int]:
+    """Greedy tokens of a fresh engine loaded from a checkpoint of `weights`."""
+    from vllm import SamplingParams
+
+    from rlserve.engine.adapter import EngineAdapter
+
+    ckpt = tmp / "checkpoint"
+    shutil.copytree(model_dir, ckpt)
+    save_weights(weights, ckpt / "model.safetensors")
+    fresh = await asyncio.to_thread(EngineAdapter.start, replace(engine_config, model=str(ckpt)))
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        async for out in fresh.llm.generate(prompt, sp, "reference"):
+            last = out
+        return list(last.outputs[0].token_ids)
+    finally:
+        fresh.shutdown()
+
+
+@dataclass
+class Stubs:
+    target: str
+    control: control_pb2_grpc.ControlStub
+    inference: inference_pb2_grpc.InferenceStub
+    lifecycle: lifecycle_pb2_grpc.LifecycleStub
+
+
+@contextlib.asynccontextmanager
+async def serving(engine, config: ServeConfig) -> AsyncIterator[Stubs]:
+    """A real server on 127.0.0.1:0 over an engine started elsewhere, and stubs for it. The
+    engine outlives it: leave generation running and no update open."""
+    from rlserve.server.app import RlserveServer
+
+    srv = RlserveServer(replace(config, port=0))
+    await srv.start()
+    await srv.attach_engine(engine)
+    target = f"127.0.0.1:{srv.port}"
+    try:
+        async with grpc.aio.insecure_channel(target) as ch:
+            yield Stubs(
+                target,
+                control_pb2_grpc.ControlStub(ch),
+                inference_pb2_grpc.InferenceStub(ch),
+                lifecycle_pb2_grpc.LifecycleStub(ch),
+            )
+    finally:
+        await srv.stop(0)
