@@ -49,6 +49,7 @@ WORKER_EXTENSION = "rlserve.transfer.worker_extension.RlserveWorkerExtension"
 # Held requests are accounted by an estimate of what they keep alive: a Python int per
 # prompt token plus the prompt text.
 BYTES_PER_HELD_TOKEN = 40
+DRAIN_POLL_S = 0.01
 
 
 def engine_args(config: EngineConfig) -> AsyncEngineArgs:
@@ -233,6 +234,15 @@ class EngineAdapter:
     def num_unfinished_requests(self) -> int:
         """Requests the engine has not finished (the frontend's own count)."""
         return self._llm.get_num_unfinished_requests()
+
+    async def requests_done(self) -> None:
+        """Until the engine has finished every request it has, whether or not their clients
+        read them. vLLM offers no event for that, so the frontend's count is checked every
+        `DRAIN_POLL_S`; only a KEEP -> WAIT pause waits like this."""
+        while self.num_unfinished_requests():
+            if self.monitor.is_dead:
+                raise EngineUnavailable(self.monitor.reason)
+            await asyncio.sleep(DRAIN_POLL_S)
 
     # Description --------------------------------------------------------------------------
 

@@ -53,8 +53,10 @@ class LifecycleController:
             max_held_bytes=max_held_bytes,
             on_held=lambda n: self._owner.publish(num_held_requests=n),
         )
-        # The engine-side WAIT drain in progress, if any (phase PAUSING, mode WAIT).
+        # The WAIT drain in progress, if any (phase PAUSING, mode WAIT), and whether the engine
+        # still has to be paused once it is over (with this clear_cache) or paused itself.
         self._drain: asyncio.Future[None] | None = None
+        self._drain_then_pause: bool | None = None
         self.weights = WeightUpdates(
             self._owner,
             engine,
@@ -126,14 +128,24 @@ class LifecycleController:
 
     async def _pause_engine(self, mode: PauseMode, clear_cache: bool) -> asyncio.Future[None] | None:
         """Under the lock. Returns the drain to wait for (WAIT), or None once paused."""
+        was_keep = self._owner.state.pause_mode is PauseMode.KEEP
         self._gate.close()
         self._owner.publish(pause_phase=PausePhase.PAUSING, pause_mode=mode)
         # A request admitted before the gate closed reaches the engine before the pause does.
         await self._gate.wait_entered()
+        if mode is PauseMode.WAIT and was_keep:
+            # KEEP -> WAIT: the kept requests may have lost their KV to the pause's cache reset,
+            # and vLLM's WAIT pause never schedules such requests; so run the engine (new
+            # requests stay held here) until the kept ones have ended, then pause it.
+            await self._engine.resume()
+            self._drain = asyncio.ensure_future(self._engine.requests_done())
+            self._drain_then_pause = clear_cache
+            return self._drain
         if mode is PauseMode.WAIT:
             # Engine calls are made under the lock, so the engine sees them in order; only
             # waiting for the drain happens outside it.
             self._drain = asyncio.ensure_future(self._engine.pause(mode, clear_cache))
+            self._drain_then_pause = None
             return self._drain
         await self._engine.pause(mode, clear_cache)
         self._drain = None
@@ -150,6 +162,8 @@ class LifecycleController:
                     if self._drain is drain:
                         self._drain = None
                         if not drain.cancelled() and drain.exception() is None:
+                            if self._drain_then_pause is not None:
+                                await self._engine.pause(PauseMode.WAIT, self._drain_then_pause)
                             self._owner.publish(pause_phase=PausePhase.PAUSED)
 
     @survives_caller_cancellation
