@@ -10,6 +10,7 @@ import shutil
 import socket
 import sys
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -23,8 +24,10 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
 from rlserve.api.vllm import inference_pb2 as pb
-from rlserve.client import generate_request
+from rlserve.client import Client, generate_request
 from rlserve.config import ServeConfig
+from rlserve.transfer.gloo_group import GlooGroup
+from rlserve.transfer.protocol import ChunkInfo, TensorMeta, tensor_checksum
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 TRAINER = Path(__file__).with_name("trainer_process.py")
@@ -180,3 +183,61 @@ async def serving(engine, config: ServeConfig) -> AsyncIterator[Stubs]:
             )
     finally:
         await srv.stop(0)
+
+
+class HandTrainer:
+    """A trainer that speaks the rlserve_gloo protocol by hand (to misbehave on purpose): its
+    own store and gloo group, and blocking calls in threads so the test's event loop keeps
+    serving."""
+
+    def __init__(self, target: str, timeout_s: float = 5.0) -> None:
+        self.client = Client(target)
+        self.timeout_s = timeout_s
+        self.group: GlooGroup | None = None
+        self.pool = ThreadPoolExecutor(4)
+
+    def init_info(self, port: int, world_size: int = 2) -> dict:
+        return {
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": world_size,
+            "timeout_s": self.timeout_s,
+        }
+
+    async def init(self, world_size: int = 2) -> None:
+        store = GlooGroup.host_store("127.0.0.1", 0, world_size, self.timeout_s)
+        request = cpb.InitWeightTransferEngineRequest(
+            init_info_json=json.dumps(self.init_info(store.port, world_size)).encode()
+        )
+        loop = asyncio.get_running_loop()
+        rpc = loop.run_in_executor(self.pool, self.client.control.InitWeightTransferEngine, request)
+        self.group = await loop.run_in_executor(self.pool, GlooGroup, store, 0, world_size, self.timeout_s)
+        await rpc
+
+    async def send(self, chunk: dict, tensors: list[torch.Tensor] | None, vote: bool = True, broadcast: bool = True):
+        """UpdateWeights with `chunk`, voting and sending `tensors` (one bucket) alongside;
+        `broadcast=False` votes yes and then sends nothing, as a trainer that hangs."""
+        loop = asyncio.get_running_loop()
+        request = cpb.UpdateWeightsRequest(update_info_json=json.dumps(chunk).encode())
+        rpc = loop.run_in_executor(self.pool, self.client.control.UpdateWeights, request)
+        if tensors is not None:
+            group = self.group
+            assert group is not None
+            go = await loop.run_in_executor(self.pool, group.vote, vote)
+            if go and broadcast:
+                flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+                await loop.run_in_executor(self.pool, lambda: group.broadcast_async(flat).wait())
+        return await rpc
+
+    def close(self) -> None:
+        self.client.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def chunk_of(pairs: list[tuple[str, torch.Tensor]], **override) -> dict:
+    """The update_info of one chunk carrying `pairs`, with fields overridden."""
+    info = ChunkInfo(
+        tuple(TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_checksum(t)) for n, t in pairs)
+    )
+    return {**info.to_json(), **override}

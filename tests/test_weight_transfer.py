@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,15 +17,15 @@ from safetensors.torch import load_file
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.client import Client, generate_request
+from rlserve.client import generate_request
 from rlserve.config import ServeConfig
-from rlserve.trainer import WeightSync
-from rlserve.transfer.gloo_group import GlooGroup
-from rlserve.transfer.protocol import ChunkInfo, TensorMeta, combined_checksum, tensor_checksum
+from rlserve.transfer.protocol import combined_checksum, tensor_checksum
 
 from helpers import (
     PROMPT,
+    HandTrainer,
     checksum,
+    chunk_of,
     expect,
     free_port,
     greedy,
@@ -149,43 +148,6 @@ async def test_trainer_killed_mid_transfer_leaves_the_old_weights(target, stubs,
     rc, stats, err = await run_trainer(target, weights, "after-crash")
     assert rc == 0, err
     assert stats["weight_version"] == "after-crash"
-
-
-class HandTrainer:
-    """A gloo member that speaks the protocol by hand (a misbehaving trainer), in threads of
-    this process so the test's event loop keeps serving."""
-
-    def __init__(self, target: str) -> None:
-        self.client = Client(target)
-        self.sync = WeightSync(self.client, timeout_s=5.0)
-        self.pool = ThreadPoolExecutor(2)
-
-    async def init(self) -> None:
-        await asyncio.to_thread(self.sync.init)
-
-    async def send(self, chunk: dict, tensors: list[torch.Tensor] | None, vote: bool = True):
-        """UpdateWeights with `chunk`, voting and sending `tensors` (one bucket) alongside."""
-        rpc = asyncio.get_running_loop().run_in_executor(
-            self.pool,
-            self.client.control.UpdateWeights,
-            cpb.UpdateWeightsRequest(update_info_json=json.dumps(chunk).encode()),
-        )
-        if tensors is not None:
-            group: GlooGroup = self.sync._group
-            go = await asyncio.to_thread(group.vote, vote)
-            if go:
-                flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
-                await asyncio.to_thread(lambda: group.broadcast_async(flat).wait())
-        return await rpc
-
-    def close(self) -> None:
-        self.client.close()
-        self.pool.shutdown()
-
-
-def chunk_of(pairs: list[tuple[str, torch.Tensor]], **override) -> dict:
-    info = ChunkInfo(tuple(TensorMeta(n, "float32", tuple(t.shape), tensor_checksum(t)) for n, t in pairs))
-    return {**info.to_json(), **override}
 
 
 @pytest_asyncio.fixture
