@@ -73,11 +73,15 @@ def insecure_serialization():
     """While set, this process and the engines it starts pickle what msgpack cannot carry
     (vLLM's VLLM_ALLOW_INSECURE_SERIALIZATION), so that a test can reach into a worker with
     `collective_rpc(callable)`. An engine started inside needs it for as long as it lives."""
+    before = os.environ.get(INSECURE_SERIALIZATION)
     os.environ[INSECURE_SERIALIZATION] = "1"
     try:
         yield
     finally:
-        del os.environ[INSECURE_SERIALIZATION]
+        if before is None:
+            del os.environ[INSECURE_SERIALIZATION]
+        else:
+            os.environ[INSECURE_SERIALIZATION] = before
 
 
 @pytest_asyncio.fixture(scope="session")

@@ -1,0 +1,193 @@
+"""What the engine serves, checked against ground truth: partial updates of fused layers, a
+digest that reads the model (so a change behind rlserve's back shows), and recovery from a
+commit that fails half way.
+
+The engine of this module accepts pickled callables, so that a test can reach into the
+worker with vLLM's own `collective_rpc` and change the served weights behind rlserve's back
+(or make one commit fail): edges a well-behaved engine never reaches by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from dataclasses import replace
+
+import cloudpickle
+import grpc
+import pytest_asyncio
+
+from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
+from rlserve.api.vllm import control_pb2 as cpb
+from rlserve.config import ServeConfig
+from rlserve.transfer.protocol import tensor_checksum
+
+from conftest import insecure_serialization
+from helpers import KEEP, HandTrainer, checkpoint, chunk_of, expect, greedy, pause, reference_outputs, serving
+
+# Functions sent to the worker travel by value: the worker cannot import this test module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest_asyncio.fixture(scope="module")
+async def engine_(engine_config):
+    from rlserve.engine.adapter import EngineAdapter
+
+    with insecure_serialization():
+        adapter = await asyncio.to_thread(
+            EngineAdapter.start, replace(engine_config, weight_transfer_backend="rlserve_gloo")
+        )
+        try:
+            yield adapter
+        finally:
+            await adapter.close()
+            adapter.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def s(engine_, engine_config):
+    config = ServeConfig(engine=replace(engine_config, weight_transfer_backend="rlserve_gloo"), transfer_timeout_s=10)
+    async with serving(engine_, config) as stubs:
+        yield stubs
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def checkpoint_weights_afterwards(s, tiny_model_dir):
+    """Every test starts from the checkpoint's weights, served."""
+    yield
+    await s.lifecycle.AbortWeightUpdate(lpb.AbortWeightUpdateRequest())
+    await update(s, checkpoint(tiny_model_dir), "checkpoint")
+
+
+async def update(s, weights: dict, version: str) -> None:
+    """One update carrying `weights` (any subset of the checkpoint), through a real gloo group."""
+    trainer = HandTrainer(s.target)
+    try:
+        await trainer.init()
+        await pause(s.control, KEEP)
+        await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+        pairs = sorted(weights.items())
+        await trainer.send(chunk_of(pairs), [t for _, t in pairs])
+        await s.control.FinishWeightUpdate(cpb.FinishWeightUpdateRequest(weight_version=version))
+        await s.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+    finally:
+        trainer.close()
+
+
+async def served(s) -> lpb.WeightChecksum:
+    return await s.lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())
+
+
+def digests_of(weights: dict) -> dict[str, str]:
+    return {n: tensor_checksum(t) for n, t in weights.items()}
+
+
+async def test_the_served_digests_equal_the_checkpoint(s, tiny_model_dir):
+    digest = await served(s)
+    assert dict(digest.per_tensor) == digests_of(checkpoint(tiny_model_dir))
+    assert not digest.inconsistent_tensors
+
+
+async def test_a_partial_update_of_a_fused_layer_keeps_its_other_members(s, tiny_model_dir):
+    """q_proj alone, re-sent with its current values: vLLM reloads qkv_proj as a whole, so k
+    and v come from the weights being served and nothing changes."""
+    before_tokens, before = await greedy(s.inference), await served(s)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    await update(s, {q: checkpoint(tiny_model_dir)[q]}, "q-again")
+    assert await greedy(s.inference) == before_tokens
+    assert dict((await served(s)).per_tensor) == dict(before.per_tensor)
+
+
+async def test_a_partial_update_of_fused_layers_equals_a_fresh_engine(s, tiny_model_dir, tmp_path, engine_config):
+    weights = checkpoint(tiny_model_dir)
+    changed = {
+        name: weights[name] * 1.5
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.gate_proj.weight")
+    }
+    await update(s, changed, "partial")
+    expected = {**weights, **changed}
+    assert dict((await served(s)).per_tensor) == digests_of(expected)
+    assert await greedy(s.inference) == await reference_outputs(tiny_model_dir, expected, tmp_path, engine_config)
+
+
+def _zero_o_proj_kernel(worker) -> None:
+    """Repack layer 1's o_proj kernel from zeros, as a buggy loader might, leaving no trace
+    in any parameter (on CPU the layer has none: its weight lives in the kernel)."""
+    import torch
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    layer = worker.model_runner.get_model().model.layers[1].self_attn.o_proj
+    shape = (layer.output_size_per_partition, layer.input_size_per_partition)
+    layer.weight = torch.nn.Parameter(torch.zeros(shape, dtype=layer.weight.dtype), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+
+
+async def test_a_change_behind_rlservers_back_shows_in_the_digest(s, engine_, tiny_model_dir):
+    """The digest is read from the model, not remembered from what was sent."""
+    mine = digests_of(checkpoint(tiny_model_dir))
+    # The fixture's last commit dropped any cached digest: the next one is computed anew.
+    with insecure_serialization():
+        await engine_.llm.collective_rpc(_zero_o_proj_kernel)
+    o_proj = "model.layers.1.self_attn.o_proj.weight"
+    now = dict((await served(s)).per_tensor)
+    assert now[o_proj] != mine[o_proj]
+    assert {n: d for n, d in now.items() if n != o_proj} == {n: d for n, d in mine.items() if n != o_proj}
+
+
+async def test_vllms_weight_reset_shows_what_is_really_served(s, engine_, tiny_model_dir):
+    """vLLM's own `reset_weights` zeroes every parameter. On CPU the linear layers keep their
+    packed kernels (they are still served), the norms and the embedding are zeros, and the
+    lm_head tied to the embedding still computes with the old one: a digest of the
+    parameters would say "all zero", this one says exactly that and no more."""
+    mine = digests_of(checkpoint(tiny_model_dir))
+    await engine_.llm.collective_rpc("reset_weights")
+    digest = await served(s)
+    changed = sorted(n for n, d in digest.per_tensor.items() if d != mine[n])
+    assert changed == sorted(n for n in mine if "norm" in n or "embed" in n)
+    assert list(digest.inconsistent_tensors) == ["model.embed_tokens.weight"]
+
+
+def _fail_next_load(worker) -> None:
+    """The next commit fails half way (as an out-of-memory would), once."""
+    model = worker.model_runner.get_model()
+    load = model.load_weights
+
+    def failing(weights):
+        model.load_weights = load
+        for i, item in enumerate(weights):
+            if i == 3:
+                raise RuntimeError("simulated failure after 3 tensors")
+            load(iter([item]))
+
+    model.load_weights = failing
+
+
+async def test_a_failed_commit_is_reported_and_the_next_update_recovers(
+    s, engine_, tiny_model_dir, tmp_path, engine_config
+):
+    weights = checkpoint(tiny_model_dir)
+    with insecure_serialization():
+        await engine_.llm.collective_rpc(_fail_next_load)
+    trainer = HandTrainer(s.target)
+    try:
+        await trainer.init()
+        await pause(s.control, KEEP)
+        await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+        pairs = sorted((n, t * 1.5) for n, t in weights.items())
+        await trainer.send(chunk_of(pairs), [t for _, t in pairs])
+        details = await expect(
+            grpc.StatusCode.INTERNAL,
+            s.control.FinishWeightUpdate(cpb.FinishWeightUpdateRequest(weight_version="never")),
+        )
+        assert "simulated failure" in details
+    finally:
+        trainer.close()
+    state = await s.lifecycle.GetState(lpb.GetStateRequest())
+    assert not state.weights_consistent and state.weight_version != "never"
+    await expect(grpc.StatusCode.FAILED_PRECONDITION, s.control.ResumeGeneration(cpb.ResumeGenerationRequest()))
+    # The next complete update is taken, and serves exactly the checkpoint again.
+    await update(s, weights, "recovered")
+    state = await s.lifecycle.GetState(lpb.GetStateRequest())
+    assert state.weights_consistent and state.weight_version == "recovered"
+    assert dict((await served(s)).per_tensor) == digests_of(weights)
+    assert await greedy(s.inference) == await reference_outputs(tiny_model_dir, weights, tmp_path, engine_config)
