@@ -135,6 +135,8 @@ class WeightSync:
         and publish `version`."""
         mode = PauseMode(pause_mode)
         tensors = dict(_named_tensors(weights))
+        if not tensors:
+            raise ValueError("no tensors to sync")
         chunks = _plan_chunks(tensors, self._chunk_bytes, self._bucket_bytes)
         num_bytes = sum(c.num_bytes for c in chunks)
         if self._group is None or not self._server_transport_ready():

@@ -113,7 +113,10 @@ class EngineAdapter:
         self._eos_token_id = getattr(self._tokenizer, "eos_token_id", None)
         core = llm.engine_core
         self.monitor = EngineMonitor(
-            lambda: core.call_utility_all_async("get_weight_version"), hang_timeout_s=config.hang_timeout_s
+            lambda: core.call_utility_all_async("get_weight_version"),
+            hang_timeout_s=config.hang_timeout_s,
+            errored=lambda: llm.errored,
+            dead_errors=(EngineDeadError,),
         )
         self._streams: set[RequestStream] = set()
         self.monitor.on_dead(self._fail_streams)
@@ -166,7 +169,8 @@ class EngineAdapter:
         except VLLMClientError as e:
             raise InvalidRequest("", str(e)) from e
         except EngineDeadError as e:
-            raise EngineUnavailable("the engine died; restart the server") from e
+            self.monitor.declare_dead(str(e))
+            raise EngineUnavailable(self.monitor.reason) from e
         translator = OutputTranslator(request.params, self._eos_token_id)
         return RequestStream(collector, translator, self._streams, self._abort_internal)
 

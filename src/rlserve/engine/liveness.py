@@ -29,9 +29,16 @@ class EngineMonitor:
         probe: Callable[[], Awaitable[object]],
         *,
         hang_timeout_s: float,
+        errored: Callable[[], bool] = lambda: False,
+        dead_errors: tuple[type[BaseException], ...] = (),
         interval_s: float = 1.0,
     ) -> None:
         self._probe = probe
+        # The engine's own verdict (vLLM notices a dead engine process at once), checked on
+        # every beat: a call to a dead engine may never return.
+        self._errored = errored
+        # What the engine raises once it is dead: any call may be the first to see it.
+        self._dead_errors = dead_errors
         self._hang_timeout_s = hang_timeout_s
         self._interval_s = interval_s
         self._dead = asyncio.Event()
@@ -83,6 +90,8 @@ class EngineMonitor:
 
     async def guard(self, awaitable: Awaitable[T]) -> T:
         """Await `awaitable`, or raise EngineUnavailable as soon as the engine is dead."""
+        if not self._dead.is_set() and self._errored():
+            self.declare_dead("its process exited")
         if self._dead.is_set():
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()
@@ -99,6 +108,10 @@ class EngineMonitor:
         if not task.done():
             task.cancel()
             raise EngineUnavailable(self._reason)
+        error = task.exception()
+        if isinstance(error, self._dead_errors):
+            self.declare_dead(f"{type(error).__name__}: {error}")
+            raise EngineUnavailable(self._reason) from error
         return task.result()
 
     async def _run(self) -> None:
@@ -107,6 +120,10 @@ class EngineMonitor:
             probe = asyncio.ensure_future(self._probe())
             started = loop.time()
             while not probe.done():
+                if self._errored():
+                    probe.cancel()
+                    self.declare_dead("its process exited")
+                    return
                 deadline = max(started + self._hang_timeout_s, self._busy_deadline)
                 remaining = deadline - loop.time()
                 if remaining <= 0:
@@ -121,3 +138,6 @@ class EngineMonitor:
                 self.declare_dead(f"{type(error).__name__}: {error}")
                 return
             await asyncio.sleep(self._interval_s)
+            if self._errored():
+                self.declare_dead("its process exited")
+                return
