@@ -192,9 +192,10 @@ class EngineAdapter:
     def _fail_streams(self, reason: str) -> None:
         """A hung engine sends nothing more: end every open stream with the reason (vLLM
         does the same itself when the engine process dies)."""
-        for stream in self._streams:
-            stream.fail(EngineUnavailable(reason))
+        streams = list(self._streams)
         self._streams.clear()
+        for stream in streams:
+            stream.fail(EngineUnavailable(reason))
 
     # Lifecycle operations: called only by the lifecycle controller, under its lock.
 

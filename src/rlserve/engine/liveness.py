@@ -75,7 +75,10 @@ class EngineMonitor:
         logger.error("%s", self._reason)
         self._dead.set()
         for listener in self._listeners:
-            listener(self._reason)
+            try:
+                listener(self._reason)
+            except Exception:  # one failing listener must not keep the others from hearing it
+                logger.exception("an engine-death listener failed")
 
     @contextlib.contextmanager
     def busy(self, timeout_s: float) -> Iterator[None]:

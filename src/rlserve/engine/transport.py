@@ -160,7 +160,7 @@ class GlooTransport(WeightTransport):
             info = InitInfo.parse(raw, max_timeout_s)
         except ProtocolError as e:
             raise InvalidRequest("init_info_json", str(e)) from e
-        detail = f"trainer={info.master_address}:{info.master_port} world_size={info.world_size}"
+        detail = f"trainer={info.master_address[:64]}:{info.master_port} world_size={info.world_size}"
         return TransportInit(info.timeout_s, detail, info.to_json())
 
     def parse_chunk(self, raw: Any) -> Chunk:
