@@ -292,15 +292,10 @@ async def until_ready(ready: Awaitable[None], proc, log_path: Path) -> None:
 
 
 async def grpc_serving(channel) -> None:
-    """Health Watch streams status changes; wait_for_ready covers the time before the bind."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    """Until the server behind `channel` reports SERVING (rlserve or vllm-rs alike)."""
+    from rlserve.client import AsyncClient
 
-    request = health_pb2.HealthCheckRequest(service="")
-    watch = health_pb2_grpc.HealthStub(channel).Watch(request, wait_for_ready=True)
-    async for update in watch:
-        if update.status == health_pb2.HealthCheckResponse.SERVING:
-            watch.cancel()
-            return
+    await AsyncClient("", channel=channel).wait_ready(timeout_s=READY_TIMEOUT_S)
 
 
 async def http_healthy(session, base_url: str) -> None:

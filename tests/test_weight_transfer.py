@@ -184,25 +184,21 @@ async def baseline(stubs):
 
 
 BAD_CHUNKS = {
-    # name: (chunk builder from a valid (name, tensor), does the worker take part in the vote)
-    "unknown name": (lambda n, t: chunk_of([("model.bogus.weight", t)]), True),
-    "wrong shape": (lambda n, t: chunk_of([(n, t[:-1])]), True),
-    "duplicate name": (lambda n, t: chunk_of([(n, t), (n, t)]), True),
-    "wrong dtype": (lambda n, t: chunk_of([(n, t)], dtype_names=["int8"]), False),
-    "list lengths differ": (lambda n, t: chunk_of([(n, t)], shapes=[]), False),
-    "bad checksum": (lambda n, t: chunk_of([(n, t)], checksums=["0" * 32]), True),
+    # name: builder from a valid (name, tensor) of (update_info, tensors the trainer sends if
+    # the workers take part in the vote, else None)
+    "unknown name": lambda n, t: (chunk_of([("model.bogus.weight", t)]), [t]),
+    "wrong shape": lambda n, t: (chunk_of([(n, t[:-1])]), [t[:-1]]),
+    "duplicate name": lambda n, t: (chunk_of([(n, t), (n, t)]), [t, t]),
+    "wrong dtype": lambda n, t: (chunk_of([(n, t)], dtype_names=["int8"]), None),
+    "list lengths differ": lambda n, t: (chunk_of([(n, t)], shapes=[]), None),
+    "bad checksum": lambda n, t: (chunk_of([(n, t)], checksums=["0" * 32]), [t]),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_CHUNKS))
 async def test_bad_update_info_is_refused_and_changes_nothing(case, stubs, baseline, paused_session, tiny_model_dir):
-    control, _, lifecycle = stubs
     name, tensor = norm_weight(tiny_model_dir)
-    build, worker_votes = BAD_CHUNKS[case]
-    chunk = build(name, tensor * 2)
-    tensors = [tensor * 2] * len(chunk["names"]) if worker_votes else None
-    if case == "wrong shape":
-        tensors = [(tensor * 2)[:-1]]
+    chunk, tensors = BAD_CHUNKS[case](name, tensor * 2)
     await expect(INVALID, paused_session.send(chunk, tensors))
     await assert_nothing_changed(stubs, *baseline)
 

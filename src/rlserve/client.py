@@ -111,6 +111,16 @@ class AsyncClient:
     async def close(self) -> None:
         await self._channel.close()
 
+    async def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Until the server reports SERVING (its engine has started), or grpc.RpcError with
+        DEADLINE_EXCEEDED after `timeout_s`."""
+        request = health_pb2.HealthCheckRequest(service="")
+        watch = health_pb2_grpc.HealthStub(self._channel).Watch(request, timeout=timeout_s, wait_for_ready=True)
+        async for update in watch:
+            if update.status == health_pb2.HealthCheckResponse.SERVING:
+                watch.cancel()
+                return
+
     async def generate(
         self, prompt: Prompt, *, timeout_s: float | None = None, **kw: Any
     ) -> inference_pb2.GenerateResponse:
