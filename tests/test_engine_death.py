@@ -20,7 +20,7 @@ from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.client import generate_request
 from rlserve.config import ServeConfig
 
-from helpers import long_request, serving
+from helpers import long_request, serving, wait_for_state
 
 HANG_TIMEOUT_S = 3.0
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -76,10 +76,17 @@ async def health_status(s) -> int:
 
 
 async def test_a_stopped_then_killed_engine_turns_every_call_unavailable(doomed, engine_config):
-    async with serving(doomed, ServeConfig(engine=engine_config)) as s:
+    async with (
+        serving(doomed, ServeConfig(engine=engine_config)) as s,
+        serving(doomed, ServeConfig(engine=engine_config)) as other,
+    ):
         assert await health_status(s) == health_pb2.HealthCheckResponse.SERVING
         stream = s.inference.GenerateStream(long_request("in flight", max_new_tokens=400))
         await stream.read()
+        # A second server over the same engine holds a request while its generation is paused.
+        await other.control.PauseGeneration(cpb.PauseGenerationRequest(mode=cpb.PAUSE_MODE_KEEP))
+        held = asyncio.ensure_future(other.inference.Generate(generate_request("held", max_new_tokens=4)))
+        await wait_for_state(other.lifecycle, lambda st: st.num_held_requests == 1)
         core = core_of(doomed)
         core.send_signal(signal.SIGSTOP)  # alive, but it takes no more work
         t0 = time.perf_counter()
@@ -91,6 +98,11 @@ async def test_a_stopped_then_killed_engine_turns_every_call_unavailable(doomed,
         except grpc.aio.AioRpcError as e:
             assert e.code() == UNAVAILABLE and "dead" in e.details()
         assert time.perf_counter() - t0 < HANG_TIMEOUT_S + 5
+        try:
+            await asyncio.wait_for(held, 2)
+            raise AssertionError("a held request succeeded on a dead engine")
+        except grpc.aio.AioRpcError as e:
+            assert e.code() == UNAVAILABLE, "a held request does not wait for a resume that never comes"
         assert await health_status(s) == health_pb2.HealthCheckResponse.NOT_SERVING
         await all_unavailable(s)
         core.send_signal(signal.SIGKILL)

@@ -15,10 +15,16 @@ from rlserve.lifecycle.controller import LifecycleController
 from rlserve.types import PauseMode, PausePhase, RlCapabilities, SleepTag
 
 
+class _Monitor:
+    def on_dead(self, listener) -> None:
+        pass
+
+
 class SleepCapableEngine:
     """Test double: just the engine-adapter calls the controller makes for sleep and wake."""
 
     transport = None
+    monitor = _Monitor()
 
     def __init__(self, *, sleep_mode: bool = True) -> None:
         self.calls: list[tuple] = []

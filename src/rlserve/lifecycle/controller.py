@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from rlserve.errors import CapabilityMissing, PauseDraining, VersionMismatch, WrongState
+from rlserve.errors import CapabilityMissing, EngineUnavailable, PauseDraining, VersionMismatch, WrongState
 from rlserve.lifecycle.gate import GenerationGate, Ticket
 from rlserve.lifecycle.mutation import survives_caller_cancellation
 from rlserve.lifecycle.owner import StateOwner
@@ -57,6 +57,7 @@ class LifecycleController:
         # still has to be paused once it is over (with this clear_cache) or paused itself.
         self._drain: asyncio.Future[None] | None = None
         self._drain_then_pause: bool | None = None
+        engine.monitor.on_dead(lambda reason: self._gate.fail_all(EngineUnavailable(reason)))
         self.weights = WeightUpdates(
             self._owner,
             engine,

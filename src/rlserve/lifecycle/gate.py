@@ -23,6 +23,7 @@ class Ticket:
     request_id: str
     num_bytes: int
     aborted: bool = False
+    error: Exception | None = None
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -36,6 +37,7 @@ class GenerationGate:
         self._entering: set[Ticket] = set()
         self._entered = asyncio.Event()
         self._entered.set()
+        self._failure: Exception | None = None
 
     @property
     def num_held(self) -> int:
@@ -54,8 +56,12 @@ class GenerationGate:
         """Wait while the gate is closed; False when the request was aborted meanwhile (it
         never reaches the engine). A held request that is cancelled (deadline, client gone)
         simply leaves. Raises TooManyHeldRequests / Overloaded at the caps."""
+        if self._failure is not None:
+            raise self._failure
         if not self._is_open:
             await self._hold(ticket)
+            if ticket.error is not None:
+                raise ticket.error
             if ticket.aborted:
                 return False
         self._entering.add(ticket)
@@ -71,6 +77,14 @@ class GenerationGate:
     async def wait_entered(self) -> None:
         """Until every admitted request has reached the engine (an instant, not a drain)."""
         await self._entered.wait()
+
+    def fail_all(self, error: Exception) -> None:
+        """Every held request ends with `error` (the engine died: resume will never come),
+        and so does every later one."""
+        self._failure = error
+        for ticket in self._held:
+            ticket.error = error
+            ticket._wake.set()
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Held requests with these ids end without running; ones on their way in are
@@ -93,7 +107,7 @@ class GenerationGate:
         self._held_bytes += ticket.num_bytes
         self._on_held(len(self._held))
         try:
-            while not self._is_open and not ticket.aborted:
+            while not self._is_open and not ticket.aborted and ticket.error is None:
                 ticket._wake.clear()
                 await ticket._wake.wait()
         finally:
