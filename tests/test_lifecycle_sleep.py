@@ -19,12 +19,16 @@ class _Monitor:
     def on_dead(self, listener) -> None:
         pass
 
+    def check_alive(self) -> None:
+        pass
+
 
 class SleepCapableEngine:
     """Test double: just the engine-adapter calls the controller makes for sleep and wake."""
 
     transport = None
     monitor = _Monitor()
+    weight_dtype = "float32"
 
     def __init__(self, *, sleep_mode: bool = True) -> None:
         self.calls: list[tuple] = []

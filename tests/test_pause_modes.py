@@ -96,3 +96,63 @@ async def test_keep_then_wait_is_refused_while_an_update_is_open(wt_engine, engi
                 assert rest[-1].outputs.finish_info.finish_reason == ABORTED
         finally:
             trainer.close()
+
+
+async def test_a_pause_that_changes_nothing_waits_for_the_pause_under_way(control, inference, lifecycle, server):
+    """Client B's no-op pause, sent while client A's pause is still under way, returns only
+    once A's pause is complete: the engine is idle when either call returns."""
+    import grpc
+
+    from rlserve.api.vllm import control_pb2_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as other:
+        control_b = control_pb2_grpc.ControlStub(other)
+        for first, second in ((ABORT, KEEP), (ABORT, ABORT), (KEEP, KEEP)):
+            for _ in range(3):
+                calls, _ = await started_streams(inference, 8, max_new_tokens=NUM_TOKENS, prefix="noop race")
+                a = asyncio.ensure_future(pause(control, first))
+                await wait_for_state(lifecycle, lambda st: st.pause_phase != lpb.PAUSE_PHASE_RUNNING)
+                await pause(control_b, second)  # A's pause is under way, or done
+                state = await lifecycle.GetState(lpb.GetStateRequest())
+                assert state.pause_phase == lpb.PAUSE_PHASE_PAUSED, "B returned before the pause was complete"
+                await a
+                await control.ResumeGeneration(cpb.ResumeGenerationRequest())
+                for call in calls:
+                    call.cancel()
+
+
+async def test_a_burst_of_held_requests_reaches_the_servers_own_cap(engine, engine_config):
+    """2,600 requests over 4 connections while paused, against a cap of 2,500: gRPC's own
+    queue limits (which cancel calls at random past 1,000 waiting ones) do not get there
+    first. Exactly the requests over the cap are refused, and every held one runs."""
+    import collections
+
+    import grpc
+
+    from rlserve.api.vllm import inference_pb2_grpc
+    from rlserve.config import ServeConfig
+
+    from helpers import long_request, serving
+
+    async with serving(engine, ServeConfig(engine=engine_config, max_held_requests=2500)) as s:
+        await pause(s.control, ABORT)
+        channels = [
+            grpc.aio.insecure_channel(s.target, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(4)
+        ]
+        stubs = [inference_pb2_grpc.InferenceStub(ch) for ch in channels]
+
+        async def one(i: int) -> str:
+            try:
+                await stubs[i % 4].Generate(long_request("burst", max_new_tokens=1), timeout=120)
+                return "OK"
+            except grpc.aio.AioRpcError as e:
+                return e.code().name
+
+        calls = [asyncio.ensure_future(one(i)) for i in range(2600)]
+        await wait_for_state(s.lifecycle, lambda st: st.num_held_requests == 2500, timeout_s=60)
+        await eventually(lambda: sum(c.done() for c in calls) == 100, timeout_s=60)  # the refused ones
+        await s.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+        outcomes = collections.Counter(await asyncio.gather(*calls))
+        for ch in channels:
+            await ch.close()
+    assert outcomes == {"OK": 2500, "RESOURCE_EXHAUSTED": 100}, outcomes

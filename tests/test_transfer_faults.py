@@ -29,6 +29,9 @@ from helpers import (
     free_port,
     greedy,
     pause,
+    perturbed,
+    run_trainer,
+    save_weights,
     serving,
     wait_for_state,
 )
@@ -233,3 +236,108 @@ async def test_the_sdk_surfaces_a_refusal_at_once(wt_engine, engine_config, tiny
         assert await asyncio.to_thread(sync_badly) < 10
         state = await s.lifecycle.GetState(lpb.GetStateRequest())
         assert state.pause_phase == lpb.PAUSE_PHASE_RUNNING and state.weight_version == "after-refusal"
+
+
+async def test_a_trainer_that_breaks_the_collectives_cannot_kill_the_engine(wt_engine, engine_config, tiny_model_dir):
+    """gloo aborts the process that receives a message of the wrong size (twice the bucket,
+    or a vote of 1024 numbers): that process is the worker's transfer helper, never the vLLM
+    worker. The chunk fails, the engine serves on, and a correct trainer gets through."""
+    async with serving(wt_engine, config(engine_config, transfer_timeout_s=CAP_S)) as s:
+        tokens = await greedy(s.inference)
+        name = "model.layers.0.self_attn.q_proj.weight"
+        tensor = checkpoint(tiny_model_dir)[name]
+        for fault in ("oversized bucket", "oversized vote"):
+            trainer = HandTrainer(s.target, timeout_s=CAP_S)
+            try:
+                await trainer.init()
+                await pause(s.control, KEEP)
+                await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+                if fault == "oversized bucket":
+                    sent = trainer.send(chunk_of([(name, tensor)]), [tensor, tensor])
+                else:
+                    sent = trainer.send(chunk_of([(name, tensor)]), None, raw_vote=torch.ones(1024, dtype=torch.int32))
+                details = await expect(DEADLINE, sent)
+                assert "helper" in details
+            finally:
+                trainer.close()
+            state = await s.lifecycle.GetState(lpb.GetStateRequest())
+            assert state.weights_consistent and not state.transport_ready and not state.HasField("update_session")
+            await s.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+            await serves_and_answers(s)
+            assert await greedy(s.inference) == tokens
+        await complete_update(s, tiny_model_dir)
+        assert await greedy(s.inference) == tokens
+
+
+async def test_a_trainer_killed_mid_chunk_does_not_leave_the_server_paused(
+    wt_engine, engine_config, tiny_model_dir, tmp_path
+):
+    """The failed chunk's trainer has the lease to come back; it does not, so generation
+    resumes on the old weights, and a request held meanwhile runs."""
+    async with serving(wt_engine, config(engine_config, transfer_timeout_s=CAP_S, update_lease_s=2.0)) as s:
+        tokens = await greedy(s.inference)
+        weights = save_weights(perturbed(tiny_model_dir, seed=21), tmp_path / "w.safetensors")
+        rc, _, _ = await run_trainer(
+            s.target,
+            weights,
+            "never",
+            "--die-after-buckets",
+            "1",
+            "--bucket-bytes",
+            str(2**20),
+            "--timeout-s",
+            str(CAP_S),
+        )
+        assert rc == 17
+        held = asyncio.ensure_future(s.inference.Generate(generate_request("held", max_new_tokens=3, ignore_eos=True)))
+        state = await wait_for_state(
+            s.lifecycle, lambda st: not st.HasField("update_session") and st.pause_phase == lpb.PAUSE_PHASE_RUNNING
+        )
+        assert state.weights_consistent and state.weight_version != "never"
+        assert (await asyncio.wait_for(held, 10)).outputs.finish_info.num_output_tokens == 3
+        assert await greedy(s.inference) == tokens
+
+
+async def test_a_tensor_in_another_dtype_than_served_is_refused_and_the_sdk_converts(
+    wt_engine, engine_config, tiny_model_dir
+):
+    """The server computes in float32: a bfloat16 tensor would be converted and serve other
+    bytes than were sent. Refused by hand; the SDK sends in the served dtype by itself."""
+    async with serving(wt_engine, config(engine_config, transfer_timeout_s=CAP_S)) as s:
+        name = "model.layers.0.self_attn.q_proj.weight"
+        bf16 = checkpoint(tiny_model_dir)[name].to(torch.bfloat16)
+        trainer = HandTrainer(s.target)
+        try:
+            await trainer.init()
+            await pause(s.control, KEEP)
+            await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+            assert "float32" in await expect(INVALID, trainer.send(chunk_of([(name, bf16)]), [bf16]))
+        finally:
+            trainer.close()
+        await s.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+        assert (await s.lifecycle.GetState(lpb.GetStateRequest())).weight_dtype == "float32"
+
+        def sync_bf16() -> str:
+            with Client(s.target) as client:
+                sync = WeightSync(client, timeout_s=CAP_S)
+                try:
+                    return sync.sync({name: bf16}, "bf16-upcast").checksum  # verified against what is served
+                finally:
+                    sync.close()
+
+        assert await asyncio.to_thread(sync_bf16)
+
+
+@pytest.mark.parametrize(
+    "field,value,named",
+    [
+        ("world_size", 10**23, "world_size"),
+        ("rank_offset", 10**23, "rank_offset"),
+        ("rank_offset", 5, "rank_offset"),
+        ("world_size", 2**31, "world_size"),
+    ],
+)
+async def test_init_info_that_can_never_work_is_invalid_argument(field, value, named, wt_engine, engine_config):
+    async with serving(wt_engine, config(engine_config, transfer_timeout_s=CAP_S)) as s:
+        details = await expect(INVALID, s.control.InitWeightTransferEngine(init_request({**nobody(), field: value})))
+        assert named in details

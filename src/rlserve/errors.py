@@ -103,6 +103,10 @@ class TransferTimeout(RlserveError):
     """A rendezvous or transfer with the trainer ran out of time (or the trainer vanished)."""
 
 
+class NotAllowed(RlserveError):
+    """The caller may not do this: a policy of this server, not a missing role."""
+
+
 class CommitFailed(RlserveError):
     """Loading staged weights into the model failed half way; the served weights are then
     inconsistent until a complete update succeeds. Not a client mistake: INTERNAL."""

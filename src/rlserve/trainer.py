@@ -134,12 +134,14 @@ class WeightSync:
         """Push `weights` (names as in the served HF checkpoint; a subset updates only those)
         and publish `version`."""
         mode = PauseMode(pause_mode)
-        tensors = dict(_named_tensors(weights))
+        state = self._lifecycle.GetState(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
+        # Sent in the dtype the server computes with: what it serves is then what was sent.
+        tensors = dict(_named_tensors(weights, getattr(torch, state.weight_dtype, None)))
         if not tensors:
             raise ValueError("no tensors to sync")
         chunks = _plan_chunks(tensors, self._chunk_bytes, self._bucket_bytes)
         num_bytes = sum(c.num_bytes for c in chunks)
-        if self._group is None or not self._server_transport_ready():
+        if self._group is None or not state.transport_ready:
             self.init()
         control, rpc_s = self._client.control, self._rpc_timeout_s
         t_pause = time.perf_counter()
@@ -175,10 +177,6 @@ class WeightSync:
     def close(self) -> None:
         self._group = None
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _server_transport_ready(self) -> bool:
-        state = self._lifecycle.GetState(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
-        return state.transport_ready
 
     def _step_timeout_s(self, num_bytes: int) -> float:
         return self._timeout_s * (1 + num_bytes // BYTES_PER_TIMEOUT) + RPC_MARGIN_S
@@ -270,7 +268,7 @@ def _first_failure_wins(rpc: Future, join: Future) -> GlooGroup:
     return group
 
 
-def _named_tensors(weights: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
+def _named_tensors(weights: NamedTensors, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(weights, torch.nn.Module):
         items: Iterable[tuple[str, torch.Tensor]] = weights.named_parameters()
     elif isinstance(weights, Mapping):
@@ -278,7 +276,10 @@ def _named_tensors(weights: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
     else:
         items = weights
     for name, tensor in items:
-        yield name, tensor.detach().to("cpu").contiguous()
+        t = tensor.detach().to("cpu")
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        yield name, t.contiguous()
 
 
 def _plan_chunks(tensors: Mapping[str, torch.Tensor], chunk_bytes: int, bucket_bytes: int) -> list[ChunkInfo]:

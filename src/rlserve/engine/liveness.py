@@ -91,6 +91,13 @@ class EngineMonitor:
             # A probe queued behind the call is answered right after it: give it a fresh wait.
             self._busy_deadline = max(self._busy_deadline, loop.time() + self._hang_timeout_s)
 
+    def check_alive(self) -> None:
+        """Raises EngineUnavailable once the engine is dead (asking vLLM first)."""
+        if not self._dead.is_set() and self._errored():
+            self.declare_dead("its process exited")
+        if self._dead.is_set():
+            raise EngineUnavailable(self._reason)
+
     async def guard(self, awaitable: Awaitable[T]) -> T:
         """Await `awaitable`, or raise EngineUnavailable as soon as the engine is dead."""
         if not self._dead.is_set() and self._errored():

@@ -53,6 +53,8 @@ class TransportInit:
     timeout_s: float
     detail: str  # for the audit log: where the trainer is, never a secret
     payload: Mapping[str, Any]
+    # The host the workers will connect to, if they connect anywhere.
+    trainer_host: str | None = None
 
 
 @dataclass(frozen=True)
@@ -160,8 +162,14 @@ class GlooTransport(WeightTransport):
             info = InitInfo.parse(raw, max_timeout_s)
         except ProtocolError as e:
             raise InvalidRequest("init_info_json", str(e)) from e
+        if info.rank_offset + self._workers.num_workers > info.world_size:
+            raise InvalidRequest(
+                "init_info_json",
+                f"world_size {info.world_size} has no rank for every one of this server's "
+                f"{self._workers.num_workers} workers from rank_offset {info.rank_offset}",
+            )
         detail = f"trainer={info.master_address[:64]}:{info.master_port} world_size={info.world_size}"
-        return TransportInit(info.timeout_s, detail, info.to_json())
+        return TransportInit(info.timeout_s, detail, info.to_json(), info.master_address)
 
     def parse_chunk(self, raw: Any) -> Chunk:
         try:
@@ -188,7 +196,9 @@ class GlooTransport(WeightTransport):
         await self._workers.call(Ext.rlserve_begin_session)
 
     async def update(self, chunk: Chunk, timeout_s: float) -> None:
-        await self._in_workers(uuid.uuid4().hex, timeout_s, "update_info_json", Ext.rlserve_begin_chunk, chunk.payload)
+        await self._in_workers(
+            uuid.uuid4().hex, timeout_s, "update_info_json", Ext.rlserve_begin_chunk, chunk.payload, timeout_s
+        )
 
     async def finish(self, timeout_s: float) -> None:
         with self._monitor.busy(timeout_s):
@@ -236,8 +246,9 @@ class VllmTransport(WeightTransport):
         if not isinstance(raw, Mapping):
             raise InvalidRequest("init_info_json", "must be a JSON object")
         keys = ("master_address", "master_port", "rank_offset", "world_size")
-        detail = " ".join(f"{k}={raw[k]}" for k in keys if k in raw and isinstance(raw[k], (str, int)))
-        return TransportInit(max_timeout_s, detail, dict(raw))
+        detail = " ".join(f"{k}={str(raw[k])[:64]}" for k in keys if k in raw and isinstance(raw[k], (str, int)))
+        host = raw.get("master_address")
+        return TransportInit(max_timeout_s, detail, dict(raw), host if isinstance(host, str) else None)
 
     def parse_chunk(self, raw: Any) -> Chunk:
         # vLLM >= 0.29 also takes a list with one object per worker (dp index x world size + rank).

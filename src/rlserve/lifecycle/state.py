@@ -74,6 +74,7 @@ class AuditEntry:
     detail: str
     outcome: str
     unix_time_s: float
+    caller: str = ""
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class LifecycleSnapshot:
     engines: tuple[EngineStatus, ...]
     capabilities: RlCapabilities
     recent_mutations: tuple[AuditEntry, ...]
+    weight_dtype: str = ""
 
 
 def is_stronger(requested: PauseMode, state: LifecycleState) -> bool:

@@ -14,9 +14,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from rlserve.caller import CURRENT
 from rlserve.errors import CapabilityMissing, CommitFailed, TransferTimeout
 from rlserve.lifecycle.mutation import survives_caller_cancellation
 from rlserve.lifecycle.owner import StateOwner
+from rlserve.lifecycle.rendezvous import check_trainer_host
 from rlserve.lifecycle.state import (
     UpdateSession,
     check_can_init_transport,
@@ -25,6 +27,7 @@ from rlserve.lifecycle.state import (
     require_session,
 )
 from rlserve.payloads import parse_json
+from rlserve.types import PausePhase
 
 if TYPE_CHECKING:
     from rlserve.engine.adapter import EngineAdapter
@@ -44,12 +47,14 @@ class WeightUpdates:
         timeout_s: float,
         lease_s: float,
         max_info_bytes: int,
+        allowed_hosts: tuple[str, ...] = (),
         resume: Callable[[], Awaitable[None]],
     ) -> None:
         self._owner = owner
         self._engine = engine
         self._timeout_s = timeout_s
         self._info_limit = ("max_transfer_info_bytes", max_info_bytes)
+        self._allowed_hosts = allowed_hosts
         self._lease_s = lease_s
         # Resumes generation; called with the lock held, when a lease ends a session.
         self._resume = resume
@@ -67,12 +72,15 @@ class WeightUpdates:
         try:
             raw = parse_json(init_info_json, "init_info_json", self._info_limit)
             init = transport.parse_init(raw, self._timeout_s)
+            if init.trainer_host is not None:
+                await check_trainer_host(init.trainer_host, CURRENT.get().peer_host, self._allowed_hosts)
         except Exception as e:
-            self._owner.record("init_weight_transfer", "malformed init_info", type(e).__name__)
+            self._owner.record("init_weight_transfer", "refused init_info", type(e).__name__)
             raise
         with self._owner.audited("init_weight_transfer", f"{init.detail} timeout_s={init.timeout_s:g}"):
             async with self._owner.lock:
                 check_can_init_transport(self._owner.state)
+                self._disarm_lease()  # the trainer came back
                 self._owner.publish(transport_initializing=True)
             ready = False
             try:
@@ -123,6 +131,9 @@ class WeightUpdates:
                     await self._drop_session("an update chunk failed")
                     if isinstance(e, TransferTimeout):
                         self._owner.publish(transport_ready=False)
+                    # The trainer has a lease to come back (start again, or resume); if it
+                    # does not, generation resumes on the old weights.
+                    self._arm_lease(None)
                     raise
                 self._owner.publish(
                     update_session=replace(
@@ -208,7 +219,14 @@ class WeightUpdates:
 
     # The session lease ------------------------------------------------------------------
 
-    def _arm_lease(self, session_id: str) -> None:
+    def cancel_lease(self) -> None:
+        """Someone decided about the pause (paused, resumed, started an update): no lease
+        resumes generation behind their back."""
+        self._disarm_lease()
+
+    def _arm_lease(self, session_id: str | None) -> None:
+        """With a session: the session's lease. Without: the lease of the pause a failed
+        update left behind."""
         self._disarm_lease()
         loop = asyncio.get_running_loop()
         self._lease = loop.call_later(self._lease_s, self._lease_ended, session_id, self._lease_token)
@@ -220,19 +238,22 @@ class WeightUpdates:
             self._lease.cancel()
             self._lease = None
 
-    def _lease_ended(self, session_id: str, token: int) -> None:
+    def _lease_ended(self, session_id: str | None, token: int) -> None:
         self._expiry = asyncio.ensure_future(self._expire(session_id, token))
 
-    async def _expire(self, session_id: str, token: int) -> None:
-        """No call for the session within its lease: its trainer is gone. Abort it and, when
-        the old weights are intact, let generation go on."""
+    async def _expire(self, session_id: str | None, token: int) -> None:
+        """No call within the lease: the trainer is gone. Abort its session and, when the old
+        weights are intact, let generation go on."""
         async with self._owner.lock:
             session = self._owner.state.update_session
-            if token != self._lease_token or session is None or session.session_id != session_id:
+            current = session.session_id if session is not None else None
+            if token != self._lease_token or current != session_id:
                 return
-            with self._owner.audited("session_lease_expired", f"session={session_id} lease_s={self._lease_s:g}"):
-                await self._drop_session("an in-place update's session lease expired")
+            what = f"session={session_id}" if session_id else "after a failed update"
+            with self._owner.audited("session_lease_expired", f"{what} lease_s={self._lease_s:g}"):
+                if session is not None:
+                    await self._drop_session("an in-place update's session lease expired")
                 st = self._owner.state
-                if st.weights_consistent and not st.asleep and st.is_paused:
+                if st.weights_consistent and not st.asleep and st.pause_phase is PausePhase.PAUSED:
                     await self._resume()
-                    self._owner.record("resume", "after the session lease expired", "ok")
+                    self._owner.record("resume", "the update's lease expired", "ok")

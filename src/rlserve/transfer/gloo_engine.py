@@ -27,7 +27,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[InitInfo, ChunkInfo]):  # ty
         super().__init__(config, vllm_config, device, model)
         pc = self.parallel_config
         self.manifest = read_manifest(vllm_config.model_config.model)
-        self.receiver = GlooReceiver(self.manifest, pc.data_parallel_index * pc.world_size + pc.rank)
+        dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        self.receiver = GlooReceiver(self.manifest, pc.data_parallel_index * pc.world_size + pc.rank, dtype)
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> InitInfo:
         try:

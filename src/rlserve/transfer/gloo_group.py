@@ -8,6 +8,7 @@ error at once (connection closed) or at the deadline, never as a hang.
 from __future__ import annotations
 
 import datetime
+import socket
 
 import torch
 import torch.distributed as dist
@@ -28,23 +29,38 @@ class GlooGroup:
 
     @staticmethod
     def host_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
-        """The trainer's store; port 0 picks a free one (read it from `.port`)."""
+        """The trainer's store, listening on `host` only (torch's own listens on every
+        interface); port 0 picks a free one (read it from `.port`)."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(max(64, world_size))
+        except OSError:
+            listener.close()
+            raise
         return dist.TCPStore(
             host,
-            port,
+            listener.getsockname()[1],
             world_size,
             is_master=True,
             timeout=datetime.timedelta(seconds=timeout_s),
             wait_for_workers=False,
+            master_listen_fd=listener.detach(),
         )
 
     def vote(self, ok: bool) -> bool:
         """All members agree to go on with a chunk, or all learn that someone refused."""
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        self.allreduce_min(flag)
+        return bool(flag.item())
+
+    def allreduce_min(self, tensor: torch.Tensor) -> None:
+        """In place, on every member; blocks until done or the deadline."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
-        self._pg.allreduce([flag], opts).wait()
-        return bool(flag.item())
+        self._pg.allreduce([tensor], opts).wait()
 
     def broadcast_async(self, buffer: torch.Tensor) -> dist.Work:
         """Rank 0 sends `buffer`, every other rank receives into it; `.wait()` the result.

@@ -21,6 +21,10 @@ CHECKSUM_ALGORITHM = "xxh3-128"
 # Tensors start on this boundary inside a bucket so the receiver can view them in place.
 ALIGN_BYTES = 64
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bounds that keep every number well inside 64 bits (what crosses vLLM's process boundary).
+MAX_WORLD_SIZE = 1 << 16
+MAX_TENSOR_BYTES = 1 << 40
+MAX_BUCKET_BYTES = 1 << 40
 
 
 class ProtocolError(ValueError):
@@ -107,8 +111,12 @@ class InitInfo:
         timeout_s = raw.get("timeout_s", default_timeout_s)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
             raise ProtocolError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
-        if not address or not 0 < port < 65536 or world_size < 2 or rank_offset < 1:
-            raise ProtocolError("need a master_address, 0 < master_port < 65536, world_size >= 2, rank_offset >= 1")
+        if not address or not 0 < port < 65536 or not 2 <= world_size <= MAX_WORLD_SIZE:
+            raise ProtocolError(
+                f"need a master_address, 0 < master_port < 65536 and 2 <= world_size <= {MAX_WORLD_SIZE}"
+            )
+        if not 1 <= rank_offset < world_size:
+            raise ProtocolError(f"need 1 <= rank_offset < world_size ({world_size}); the trainer is rank 0")
         if not 0 < timeout_s < float("inf"):
             raise ProtocolError("timeout_s must be a positive number of seconds")
         return cls(address, port, rank_offset, world_size, min(float(timeout_s), default_timeout_s))
@@ -165,8 +173,12 @@ class ChunkInfo:
         if not lists["names"]:
             raise ProtocolError("update_info.names is empty")
         bucket_bytes = raw.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ProtocolError("update_info.bucket_bytes must be a positive integer")
+        if (
+            isinstance(bucket_bytes, bool)
+            or not isinstance(bucket_bytes, int)
+            or not 0 < bucket_bytes <= MAX_BUCKET_BYTES
+        ):
+            raise ProtocolError(f"update_info.bucket_bytes must be an integer in 1..{MAX_BUCKET_BYTES}")
         tensors = []
         for name, dtype, shape, checksum in zip(*lists.values()):
             if not isinstance(name, str) or not name:
@@ -179,7 +191,10 @@ class ChunkInfo:
                 raise ProtocolError(f"{name}: shape must be a list of non-negative integers")
             if not isinstance(checksum, str):
                 raise ProtocolError(f"{name}: checksum must be a string")
-            tensors.append(TensorMeta(name, dtype, tuple(shape), checksum))
+            meta = TensorMeta(name, dtype, tuple(shape), checksum)
+            if meta.num_bytes > MAX_TENSOR_BYTES:
+                raise ProtocolError(f"{name}: more bytes than any tensor may have ({MAX_TENSOR_BYTES})")
+            tensors.append(meta)
         return cls(tuple(tensors), bucket_bytes)
 
     def to_json(self) -> dict[str, Any]:

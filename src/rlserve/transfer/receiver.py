@@ -1,9 +1,10 @@
-"""One inference worker's side of `rlserve_gloo`: the gloo group with the trainer, the open
-update session's staging, the commit into the model, and digests of the served weights.
+"""One inference worker's side of `rlserve_gloo`: its link to the trainer's gloo group (kept in
+a helper process, see `gloo_link`), the open update session's staging, and the commit into
+the model.
 
-Per chunk: check the update_info against the checkpoint manifest, vote with the trainer (so a
-refusal never leaves the trainer blocked), receive the buckets, verify every tensor's
-checksum, stage. At commit: complete partially sent layers from the served weights, then load
+Per chunk: check the update_info against the checkpoint manifest and the served dtype, vote
+with the trainer (so a refusal never leaves the trainer blocked), receive the buckets into
+shared memory, verify every tensor's checksum, stage. At commit: complete partially sent layers from the served weights, then load
 everything through vLLM's layer-wise reload path (on CPU vLLM repacks linear weights after
 loading, so tensors are never written directly). An abort or any failure before the commit
 drops the staging and leaves the served weights untouched. A collective that failed or was
@@ -23,22 +24,24 @@ from typing import Any
 
 import torch
 
-from rlserve.transfer.gloo_group import GlooGroup
+from rlserve.transfer.gloo_link import GlooLink
 from rlserve.transfer.manifest import ManifestEntry
 from rlserve.transfer.notify import Notifier
-from rlserve.transfer.protocol import ChunkInfo, ErrorCode, InitInfo, WorkerError, plan_buckets, tensor_checksum
+from rlserve.transfer.protocol import ChunkInfo, ErrorCode, InitInfo, WorkerError
 from rlserve.transfer.served import ServedWeights
 
 logger = logging.getLogger(__name__)
 
 
 class GlooReceiver:
-    def __init__(self, manifest: Mapping[str, ManifestEntry], rank_in_server: int) -> None:
+    def __init__(self, manifest: Mapping[str, ManifestEntry], rank_in_server: int, served_dtype: str) -> None:
         self._manifest = manifest
         self._rank_in_server = rank_in_server
+        self._served_dtype = served_dtype
         self.notifier = Notifier(rank_in_server)
         self._lock = threading.Lock()
-        self._group: GlooGroup | None = None
+        self._link: GlooLink | None = None
+        self._timeout_s = 0.0
         self._broken = ""
         self._init_op: str | None = None
         self._staged: dict[str, torch.Tensor] | None = None
@@ -60,21 +63,24 @@ class GlooReceiver:
     def join(self, info: InitInfo, op: str | None = None) -> None:
         """Join the trainer's group (blocks up to info.timeout_s). On success the new group
         replaces the old one; on failure the old one stays as it was."""
-        rank = info.rank_offset + self._rank_in_server
-        try:
-            group = GlooGroup.join(info.master_address, info.master_port, rank, info.world_size, info.timeout_s)
-        except Exception as e:  # torch raises DistNetworkError / DistStoreError / RuntimeError
-            raise WorkerError(ErrorCode.TIMEOUT, f"rendezvous with the trainer failed: {e}") from e
+        link = GlooLink.join(info, info.rank_offset + self._rank_in_server)
         with self._lock:
             if op is not None and op != self._init_op:
+                link.close()
                 raise WorkerError(ErrorCode.TIMEOUT, "the rendezvous was cancelled or superseded")
             if self._receiving:
+                link.close()
                 raise WorkerError(ErrorCode.WRONG_STATE, "a chunk is still being received on the old transport")
-            self._group, self._broken, self._staged, self._init_op = group, "", None, None
+            old, self._link = self._link, link
+            self._broken, self._staged, self._init_op, self._timeout_s = "", None, None, info.timeout_s
+        if old is not None:
+            old.close()
 
     def shutdown(self) -> None:
         with self._lock:
-            self._group, self._staged = None, None
+            link, self._link, self._staged = self._link, None, None
+        if link is not None:
+            link.close()
 
     # Session -----------------------------------------------------------------------------
 
@@ -94,18 +100,22 @@ class GlooReceiver:
             if self._receiving:
                 self._broken = "an update was aborted while a chunk was on the wire"
 
-    def receive(self, info: ChunkInfo) -> None:
+    def receive(self, info: ChunkInfo, timeout_s: float | None = None) -> None:
+        """Receive one chunk, bounded by `timeout_s` (default: the transport's timeout per
+        started 256 MiB, as the server bounds it)."""
         with self._lock:
             self._check_transport()
             if self._staged is None:
                 raise WorkerError(ErrorCode.WRONG_STATE, "no update session is open")
             if self._receiving:
                 raise WorkerError(ErrorCode.WRONG_STATE, "another chunk is being received")
-            group, staged_names = self._group, set(self._staged)
+            link, staged_names = self._link, set(self._staged)
             self._receiving = True
-        assert group is not None
+        assert link is not None
+        if timeout_s is None:
+            timeout_s = self._timeout_s * (1 + info.num_bytes // (256 * 2**20))
         try:
-            staged = self._receive(group, info, staged_names)
+            staged = self._receive(link, info, staged_names, timeout_s)
         finally:
             with self._lock:
                 self._receiving = False
@@ -114,28 +124,22 @@ class GlooReceiver:
                 raise WorkerError(ErrorCode.WRONG_STATE, "the update was aborted while the chunk arrived")
             self._staged.update(staged)
 
-    def _receive(self, group: GlooGroup, info: ChunkInfo, staged_names: set[str]) -> dict[str, torch.Tensor]:
+    def _receive(
+        self, link: GlooLink, info: ChunkInfo, staged_names: set[str], timeout_s: float
+    ) -> dict[str, torch.Tensor]:
         problem = self._check_against_manifest(info, staged_names)
         try:
-            go = group.vote(problem is None)
-            if go:
-                received = _receive_buckets(group, info)
-        except RuntimeError as e:  # gloo: timeout, or the trainer's connection closed
+            go, received, digests = link.exchange(info, problem is None, timeout_s)
+        except WorkerError as e:  # the helper ended or fell silent: out of step with the trainer
             with self._lock:
-                self._broken = f"a collective with the trainer failed ({e})"
-            raise WorkerError(ErrorCode.TIMEOUT, f"receiving weights failed: {e}") from e
+                self._broken = f"the transport with the trainer failed ({e})"
+            raise
         if not go:
             raise WorkerError(ErrorCode.INVALID_INFO, problem or "the trainer refused this chunk")
-        out: dict[str, torch.Tensor] = {}
-        bad = []
-        for meta in info.tensors:
-            tensor = received[meta.name]
-            if tensor_checksum(tensor) != meta.checksum:
-                bad.append(meta.name)
-            out[meta.name] = tensor
+        bad = [meta.name for meta in info.tensors if digests[meta.name] != meta.checksum]
         if bad:
             raise WorkerError(ErrorCode.CHECKSUM_MISMATCH, f"tensors {bad[:5]} do not match the trainer's checksums")
-        return out
+        return received
 
     def _check_against_manifest(self, info: ChunkInfo, staged_names: set[str]) -> str | None:
         seen: set[str] = set()
@@ -147,11 +151,16 @@ class GlooReceiver:
                 return f"tensor {t.name!r} is sent twice in this update"
             if t.shape != entry.shape:
                 return f"{t.name}: shape {list(t.shape)} != checkpoint shape {list(entry.shape)}"
+            if t.dtype_name != self._served_dtype:
+                return (
+                    f"{t.name} is {t.dtype_name}, the server computes in {self._served_dtype}: send it as "
+                    f"{self._served_dtype} (converted, it would serve other bytes than were sent)"
+                )
             seen.add(t.name)
         return None
 
     def _check_transport(self) -> None:
-        if self._group is None:
+        if self._link is None:
             raise WorkerError(ErrorCode.WRONG_STATE, "no transport; call InitWeightTransferEngine first")
         if self._broken:
             raise WorkerError(ErrorCode.WRONG_STATE, f"the transport is broken ({self._broken}); re-initialize it")
@@ -178,21 +187,6 @@ class GlooReceiver:
         finally:
             served.invalidate()
         return len(weights)
-
-
-def _receive_buckets(group: GlooGroup, info: ChunkInfo) -> dict[str, torch.Tensor]:
-    """Post every bucket's receive at once (the buckets are the staging memory)."""
-    buckets = plan_buckets(info.tensors, info.bucket_bytes)
-    buffers = [torch.empty(b.num_bytes, dtype=torch.uint8) for b in buckets]
-    works = [group.broadcast_async(buf) for buf in buffers]
-    out: dict[str, torch.Tensor] = {}
-    for bucket, buffer, work in zip(buckets, buffers, works):
-        work.wait()
-        for index, offset in bucket.placements:
-            meta = info.tensors[index]
-            dtype = getattr(torch, meta.dtype_name)
-            out[meta.name] = buffer[offset : offset + meta.num_bytes].view(dtype).view(meta.shape)
-    return out
 
 
 def _load(model: torch.nn.Module, model_config: Any, weights: Mapping[str, torch.Tensor]) -> None:

@@ -47,11 +47,11 @@ class RlserveWorkerExtension:
     def rlserve_begin_session(self) -> dict:
         return _run(lambda: self._rlserve_receiver().start_session())
 
-    def rlserve_begin_chunk(self, op: str, notify_address: str, update_info: dict[str, Any]) -> dict:
+    def rlserve_begin_chunk(self, op: str, notify_address: str, update_info: dict[str, Any], timeout_s: float) -> dict:
         """Start receiving one chunk; the outcome arrives as a notice for `op`."""
 
         def work() -> Reply:
-            receiver.receive(info)
+            receiver.receive(info, timeout_s)
             return Reply(True)
 
         try:

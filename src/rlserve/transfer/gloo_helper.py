@@ -1,0 +1,79 @@
+"""The process that holds one worker's gloo membership (see `gloo_link`): `python -m
+rlserve.transfer.gloo_helper FD`, where FD is its end of a socket pair with the worker. It
+answers one JSON line per request: join the trainer's group, vote and receive a chunk into
+the shared memory the worker named (digesting each tensor as its bucket arrives), close.
+Everything that can go wrong with the trainer goes wrong here, not in the vLLM worker."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+# First, before torch loads: vLLM pins its worker to one core, this process inherits that pin,
+# and sharing that core with a busy worker starves it. (Run only as a program.)
+with contextlib.suppress(OSError):
+    os.sched_setaffinity(0, range(os.cpu_count() or 1))
+
+import json  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from rlserve.transfer.gloo_group import GlooGroup  # noqa: E402
+from rlserve.transfer.protocol import ChunkInfo, ErrorCode, InitInfo, plan_buckets, tensor_checksum  # noqa: E402
+
+
+def serve(sock: socket.socket) -> None:
+    group: GlooGroup | None = None
+    reader = sock.makefile("rb")
+    while line := reader.readline():
+        request = json.loads(line)
+        op = request["op"]
+        if op == "close":
+            return
+        try:
+            if op == "join":
+                info = InitInfo.parse({k: request[k] for k in InitInfo.__dataclass_fields__}, request["timeout_s"])
+                group = GlooGroup.join(
+                    info.master_address, info.master_port, request["rank"], info.world_size, info.timeout_s
+                )
+                reply: dict[str, Any] = {"ok": True}
+            elif op == "chunk":
+                if group is None:
+                    raise RuntimeError("no group")
+                reply = receive(group, request)
+            else:
+                reply = {"ok": False, "code": ErrorCode.WRONG_STATE.value, "message": f"unknown operation {op!r}"}
+        except Exception as e:  # gloo: timeout, a peer gone, store errors
+            reply = {"ok": False, "code": ErrorCode.TIMEOUT.value, "message": f"{type(e).__name__}: {e}"}
+        sock.sendall(json.dumps(reply).encode() + b"\n")
+        if not reply["ok"]:
+            return  # a failed collective leaves the group out of step: this helper is done
+
+
+def receive(group: GlooGroup, request: dict[str, Any]) -> dict[str, Any]:
+    if not group.vote(bool(request["accept"])):
+        return {"ok": True, "go": False}
+    info = ChunkInfo.parse(request["info"])
+    memory = torch.from_file(request["path"], shared=True, size=request["size"], dtype=torch.uint8)
+    buckets = plan_buckets(info.tensors, info.bucket_bytes)
+    buffers, start = [], 0
+    for bucket in buckets:
+        buffers.append(memory[start : start + bucket.num_bytes])
+        start += bucket.num_bytes
+    # Post every receive at once, then digest each bucket while later ones arrive.
+    works = [group.broadcast_async(buffer) for buffer in buffers]
+    checksums = [""] * len(info.tensors)
+    for bucket, buffer, work in zip(buckets, buffers, works):
+        work.wait()
+        for index, offset in bucket.placements:
+            meta = info.tensors[index]
+            tensor = buffer[offset : offset + meta.num_bytes].view(getattr(torch, meta.dtype_name)).view(meta.shape)
+            checksums[index] = tensor_checksum(tensor)
+    return {"ok": True, "go": True, "checksums": checksums}
+
+
+if __name__ == "__main__":
+    serve(socket.socket(fileno=int(sys.argv[1])))
