@@ -1,13 +1,24 @@
-"""`rlserve serve`: parse the command line once into a `ServeConfig` and run the server."""
+"""`rlserve serve`: parse the command line (and RLSERVE_AUTH_TOKENS) once into a `ServeConfig`
+and run the server. Secrets never come from the command line."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
-from rlserve.config import DTYPES, EngineConfig, ServeConfig, default_cache_dir
+from rlserve.config import DTYPES, EngineConfig, SecurityConfig, ServeConfig, default_cache_dir
+
+AUTH_TOKENS_ENV = "RLSERVE_AUTH_TOKENS"
+SECURITY_HELP = """Security: the control plane can pause the server and replace its weights. It may
+only listen beyond loopback with authentication: bearer tokens from --auth-tokens-file FILE
+(or the same text in the environment variable RLSERVE_AUTH_TOKENS), one `ROLE TOKEN [NAME]`
+per line, ROLE `read` or `admin`, `#` starts a comment; clients send `authorization: Bearer
+TOKEN`. SIGHUP re-reads the file. Or mutual TLS: --tls-cert-file/--tls-key-file with
+--tls-client-ca-file; a client certificate's CN is the caller (grant it a role with a line
+`admin cert:CN`, or give it the OU `rlserve-admin` / `rlserve-read`). See docs/security.md."""
 
 # The dataclasses own the defaults; the CLI shows them.
 _ENGINE = EngineConfig.__dataclass_fields__
@@ -21,11 +32,36 @@ def _default(fields: dict, name: str) -> object:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve a model over gRPC (vllm.Inference, vllm.Control)")
+    s = sub.add_parser(
+        "serve",
+        help="serve a model over gRPC (vllm.Inference, vllm.Control)",
+        epilog=SECURITY_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     s.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")
     s.add_argument("--served-model-name", default="", help="name clients use (default: the model path)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=50051)
+    s.add_argument(
+        "--control-address",
+        default="",
+        help="a listener of its own for vllm.Control and rlserve.v1 (HOST:PORT or unix:PATH); default: --host/--port",
+    )
+    s.add_argument("--auth-tokens-file", type=Path, default=None, help="ROLE TOKEN [NAME] per line (see below)")
+    s.add_argument("--tls-cert-file", type=Path, default=None, help="the server's certificate chain (PEM)")
+    s.add_argument("--tls-key-file", type=Path, default=None, help="the server's private key (PEM)")
+    s.add_argument("--tls-client-ca-file", type=Path, default=None, help="require client certificates from this CA")
+    s.add_argument(
+        "--insecure-control",
+        action="store_true",
+        help="serve a non-loopback control plane without authentication (not recommended)",
+    )
+    s.add_argument(
+        "--transfer-allowed-hosts",
+        default="",
+        help="comma-separated hosts, addresses or CIDRs InitWeightTransferEngine may name, besides "
+        "loopback and the caller's own address",
+    )
     s.add_argument("--dtype", default="auto", choices=DTYPES)
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--max-num-seqs", type=int, default=None)
@@ -67,15 +103,40 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--max-message-bytes", type=int, default=_default(_SERVE, "max_message_bytes"), help="largest gRPC message"
     )
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics (rlserve_* and vLLM's vllm:*) at http://HOST:PORT/metrics",
+    )
+    s.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="run the engine without scheduler stats: no vllm:* metrics, and GetLoad is refused",
+    )
     return parser
 
 
-def serve_config(args: argparse.Namespace) -> ServeConfig:
-    model, served_name, dtype = args.model, args.served_model_name, args.dtype
-    if not model:
-        from rlserve.model_cache import DEFAULT_MODEL_NAME, default_model_dir
+def security_config(args: argparse.Namespace, environ: dict[str, str]) -> SecurityConfig:
+    return SecurityConfig(
+        auth_tokens_file=args.auth_tokens_file,
+        auth_tokens_text=environ.get(AUTH_TOKENS_ENV),
+        tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file,
+        tls_client_ca_file=args.tls_client_ca_file,
+        insecure_control=args.insecure_control,
+        transfer_allowed_hosts=tuple(h.strip() for h in args.transfer_allowed_hosts.split(",") if h.strip()),
+    )
 
-        model = str(default_model_dir(args.cache_dir / "models" / DEFAULT_MODEL_NAME))
+
+def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServeConfig:
+    model, served_name, dtype = args.model, args.served_model_name, args.dtype
+    is_default_model = not model
+    if is_default_model:
+        from rlserve.model_cache import DEFAULT_MODEL_NAME
+
+        # Converted (once) by the server after it binds, so health answers meanwhile.
+        model = str(args.cache_dir / "models" / DEFAULT_MODEL_NAME)
         served_name = served_name or DEFAULT_MODEL_NAME
         # bf16 rounding flips near-ties of this small model on CPU; fp32 is as fast here.
         dtype = "float32" if args.dtype == "auto" else args.dtype
@@ -92,6 +153,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         scheduling_policy=args.scheduling_policy,
         kv_cache_gib=args.kv_cache_gib,
         hang_timeout_s=args.engine_hang_timeout_s,
+        log_stats=not args.disable_log_stats,
+        is_default_model=is_default_model,
     )
     return ServeConfig(
         engine=engine,
@@ -103,6 +166,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         max_held_bytes=args.max_held_bytes,
         transfer_timeout_s=args.transfer_timeout_s,
         update_lease_s=args.update_lease_s,
+        control_address=args.control_address,
+        metrics_port=args.metrics_port,
+        security=security_config(args, dict(os.environ) if environ is None else environ),
     )
 
 

@@ -6,6 +6,7 @@ the environment or the command line.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,10 @@ class EngineConfig:
     # An engine that answers nothing for this long is declared dead (health NOT_SERVING);
     # set it above the longest engine step the model and batch limits allow.
     hang_timeout_s: float = 60.0
+    # vLLM's scheduler stats: the figures of `GetLoad` and vLLM's own `vllm:` metrics.
+    log_stats: bool = True
+    # `model` is where the default model is converted to; the server converts it if needed.
+    is_default_model: bool = False
     extra_engine_args: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -92,12 +97,62 @@ DEFAULT_TRANSFER_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    """Authentication and transport security of the listeners (see docs/security.md)."""
+
+    auth_tokens_file: Path | None = None
+    # The same text as a tokens file, taken from RLSERVE_AUTH_TOKENS by the CLI; never shown.
+    auth_tokens_text: str | None = field(default=None, repr=False)
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    # Client certificates signed by this CA are required (mutual TLS).
+    tls_client_ca_file: Path | None = None
+    # Serve a non-loopback control listener without authentication anyway.
+    insecure_control: bool = False
+    # Where InitWeightTransferEngine may make the workers connect, besides loopback and the
+    # caller's own address: host names, addresses or CIDR blocks.
+    transfer_allowed_hosts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.auth_tokens_file is not None and self.auth_tokens_text is not None:
+            raise ValueError("auth tokens: give a tokens file or RLSERVE_AUTH_TOKENS, not both")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls: give --tls-cert-file and --tls-key-file together")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls: --tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+
+    @property
+    def has_tokens(self) -> bool:
+        return self.auth_tokens_file is not None or self.auth_tokens_text is not None
+
+    @property
+    def auth_enabled(self) -> bool:
+        """Every RPC but health and reflection then needs a credential."""
+        return self.has_tokens or self.tls_client_ca_file is not None
+
+
+def is_loopback(address: str) -> bool:
+    """Whether `host:port`, `[v6]:port` or `unix:PATH` can only be reached from this host."""
+    if address.startswith("unix:"):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 50051
     shutdown_grace_s: float = 10.0
     max_message_bytes: int = 16 * 1024 * 1024
+    # HTTP/2 streams one connection may have open at once; more wait for a free one.
+    max_concurrent_streams: int = 1024
     # Generation requests held while paused, by count and by prompt bytes; more get
     # RESOURCE_EXHAUSTED.
     max_held_requests: int = 4096
@@ -109,11 +164,19 @@ class ServeConfig:
     # sees no call for this long is aborted, so a trainer that died cannot pause the server.
     update_lease_s: float | None = None
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # A listener of its own for the control plane (vllm.Control, rlserve.v1.*): `host:port`
+    # or `unix:PATH`. Empty: the control plane shares the inference listener.
+    control_address: str = ""
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    # Prometheus `/metrics` over HTTP on `host` (None: not served; 0: any free port).
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: {self.port} is out of range 0..65535")
-        for name in ("transfer_timeout_s", "max_message_bytes", "max_held_bytes"):
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port: {self.metrics_port} is out of range 0..65535")
+        for name in ("transfer_timeout_s", "max_message_bytes", "max_held_bytes", "max_concurrent_streams"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.update_lease_s is not None and self.update_lease_s <= 0:
@@ -122,6 +185,18 @@ class ServeConfig:
             raise ValueError("max_held_requests must be >= 0")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
+        control = self.control_address or self.address
+        if not is_loopback(control) and not self.security.auth_enabled and not self.security.insecure_control:
+            raise ValueError(
+                f"the control plane would listen on {control} without authentication: give auth tokens "
+                "(--auth-tokens-file or RLSERVE_AUTH_TOKENS) or client certificates (--tls-client-ca-file), "
+                "serve it on loopback (--control-address 127.0.0.1:PORT), or pass --insecure-control"
+            )
+
+    @property
+    def address(self) -> str:
+        """The inference listener (and the control plane's, unless it has its own)."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     @property
     def lease_s(self) -> float:

@@ -13,7 +13,10 @@ if TYPE_CHECKING:
 
 
 class EngineSlot:
-    """RPCs before the engine is set (or after shutdown) get UNAVAILABLE."""
+    """RPCs before the engine is set, once it is dead, or after shutdown get UNAVAILABLE.
+
+    Every access asks the engine's monitor first, so a call that reads no engine state (IsPaused)
+    fails like the rest in the moment between vLLM's verdict and the slot being cleared."""
 
     def __init__(self) -> None:
         self._engine: EngineAdapter | None = None
@@ -24,12 +27,14 @@ class EngineSlot:
     def engine(self) -> EngineAdapter:
         if self._engine is None:
             raise EngineUnavailable(self._reason)
+        self._engine.monitor.check_alive()
         return self._engine
 
     @property
     def lifecycle(self) -> LifecycleController:
-        if self._lifecycle is None:
+        if self._engine is None or self._lifecycle is None:
             raise EngineUnavailable(self._reason)
+        self._engine.monitor.check_alive()
         return self._lifecycle
 
     @property
@@ -39,6 +44,10 @@ class EngineSlot:
     @property
     def engine_or_none(self) -> EngineAdapter | None:
         return self._engine
+
+    @property
+    def lifecycle_or_none(self) -> LifecycleController | None:
+        return self._lifecycle
 
     def set(self, engine: EngineAdapter, lifecycle: LifecycleController) -> None:
         self._engine, self._lifecycle = engine, lifecycle

@@ -1,0 +1,182 @@
+"""Who may call what. A caller proves who it is with a bearer token in the call metadata
+(`authorization: Bearer ...`) or a client certificate (mutual TLS); each maps to a role,
+`read` or `admin`. One table names what every served method needs, and one interceptor
+applies it: unknown credentials are UNAUTHENTICATED, a `read` caller on a mutation is
+PERMISSION_DENIED, and neither reaches a servicer. Tokens are compared in constant time and
+never logged; the set can be replaced while serving (SIGHUP re-reads the file).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+MIN_TOKEN_CHARS = 16
+
+
+class Role(enum.Enum):
+    READ = "read"  # generation, info, state, watch, checksum
+    ADMIN = "admin"  # everything, every mutation included
+
+    def allows(self, needed: Role) -> bool:
+        return self is Role.ADMIN or needed is Role.READ
+
+
+class Listener(enum.Enum):
+    """What one listening address serves, when inference and control are split."""
+
+    ALL = "all"
+    INFERENCE = "inference"  # generation and the read-only server information
+    CONTROL = "control"  # the control plane (and its reads)
+
+
+PUBLIC = "public"  # health and reflection: reachable without credentials, on every listener
+PUBLIC_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")
+
+# Every method of every served service, with what it needs. A method missing here is
+# refused (a test walks every served method and checks it has a rule).
+RULES: dict[str, Role] = {
+    "/vllm.Inference/Generate": Role.READ,
+    "/vllm.Inference/GenerateStream": Role.READ,
+    "/vllm.Control/GetServerInfo": Role.READ,
+    "/vllm.Control/GetModelInfo": Role.READ,
+    "/vllm.Control/GetKvEventSources": Role.READ,
+    "/vllm.Control/IsPaused": Role.READ,
+    "/vllm.Control/IsSleeping": Role.READ,
+    "/vllm.Control/GetWeightVersion": Role.READ,
+    "/vllm.Control/Abort": Role.ADMIN,
+    "/vllm.Control/PauseGeneration": Role.ADMIN,
+    "/vllm.Control/ResumeGeneration": Role.ADMIN,
+    "/vllm.Control/Sleep": Role.ADMIN,
+    "/vllm.Control/WakeUp": Role.ADMIN,
+    "/vllm.Control/InitWeightTransferEngine": Role.ADMIN,
+    "/vllm.Control/StartWeightUpdate": Role.ADMIN,
+    "/vllm.Control/StartDraftWeightUpdate": Role.ADMIN,
+    "/vllm.Control/UpdateWeights": Role.ADMIN,
+    "/vllm.Control/FinishWeightUpdate": Role.ADMIN,
+    "/vllm.Control/UpdateWeightVersion": Role.ADMIN,
+    "/rlserve.v1.Lifecycle/GetState": Role.READ,
+    "/rlserve.v1.Lifecycle/WatchState": Role.READ,
+    "/rlserve.v1.Lifecycle/GetWeightChecksum": Role.READ,
+    "/rlserve.v1.Lifecycle/GetLoad": Role.READ,
+    "/rlserve.v1.Lifecycle/UpdateWeightVersion": Role.ADMIN,
+    "/rlserve.v1.Lifecycle/AbortWeightUpdate": Role.ADMIN,
+}
+# Read-only server information routers ask the inference address for (vllm-router does).
+INFERENCE_CONTROL_READS = (
+    "/vllm.Control/GetServerInfo",
+    "/vllm.Control/GetModelInfo",
+    "/vllm.Control/GetKvEventSources",
+)
+
+
+def rule_for(method: str) -> Role | str | None:
+    """The role `method` needs, PUBLIC, or None when no rule exists (refused)."""
+    service = method.strip("/").partition("/")[0]
+    if service in PUBLIC_SERVICES:
+        return PUBLIC
+    return RULES.get(method)
+
+
+def served_here(method: str, listener: Listener) -> bool:
+    if listener is Listener.ALL or rule_for(method) == PUBLIC:
+        return True
+    if listener is Listener.INFERENCE:
+        return method.startswith("/vllm.Inference/") or method in INFERENCE_CONTROL_READS
+    return not method.startswith("/vllm.Inference/")
+
+
+@dataclass(frozen=True)
+class Grant:
+    role: Role
+    name: str
+
+
+class Credentials:
+    """Parsed from lines `ROLE TOKEN [NAME]` or `ROLE cert:COMMON_NAME [NAME]` (ROLE `read`
+    or `admin`, `#` starts a comment). Several tokens may map to one role, so a token can be
+    rotated without a restart."""
+
+    def __init__(self, tokens: Iterable[tuple[bytes, Grant]], subjects: dict[str, Grant]) -> None:
+        self._tokens = tuple(tokens)
+        self._subjects = dict(subjects)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self._tokens and not self._subjects
+
+    @classmethod
+    def parse(cls, text: str) -> Credentials:
+        """Raises ValueError naming the line (never quoting a token)."""
+        tokens: list[tuple[bytes, Grant]] = []
+        subjects: dict[str, Grant] = {}
+        for number, raw in enumerate(text.splitlines(), 1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            if len(parts) not in (2, 3):
+                raise ValueError(f"auth tokens line {number}: expected 'ROLE TOKEN [NAME]'")
+            try:
+                role = Role(parts[0])
+            except ValueError:
+                raise ValueError(f"auth tokens line {number}: role must be 'read' or 'admin'") from None
+            secret = parts[1]
+            if secret.startswith("cert:"):
+                subject = secret.removeprefix("cert:")
+                subjects[subject] = Grant(role, parts[2] if len(parts) == 3 else subject)
+                continue
+            if len(secret) < MIN_TOKEN_CHARS:
+                raise ValueError(f"auth tokens line {number}: a token needs at least {MIN_TOKEN_CHARS} characters")
+            name = parts[2] if len(parts) == 3 else f"token-{_fingerprint(secret)}"
+            tokens.append((secret.encode(), Grant(role, name)))
+        return cls(tokens, subjects)
+
+    def for_token(self, token: str) -> Grant | None:
+        """Compares with every token, in constant time each, whatever matches."""
+        given = token.encode()
+        found = None
+        for secret, grant in self._tokens:
+            if hmac.compare_digest(secret, given):
+                found = grant
+        return found
+
+    def for_certificate(self, common_name: str, organizational_units: Iterable[str]) -> Grant | None:
+        """A common name listed as `cert:NAME`, or a certificate whose subject carries the role
+        itself as an organizational unit `rlserve-admin` / `rlserve-read` (the CA vouches)."""
+        if common_name in self._subjects:
+            return self._subjects[common_name]
+        units = set(organizational_units)
+        for role in (Role.ADMIN, Role.READ):
+            if f"rlserve-{role.value}" in units:
+                return Grant(role, common_name or "certificate")
+        return None
+
+
+def _fingerprint(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()[:8]
+
+
+class CredentialSource:
+    """The current credentials, loaded from `read()` (a file, or the environment's text) and
+    reloaded on request; a reload that fails keeps the credentials that were in force."""
+
+    def __init__(self, read: Callable[[], str], description: str) -> None:
+        self._read = read
+        self.description = description
+        self.current = Credentials.parse(read())
+
+    def reload(self) -> bool:
+        try:
+            self.current = Credentials.parse(self._read())
+        except (OSError, ValueError) as e:
+            logger.error("kept the old auth tokens: reloading %s failed: %s", self.description, e)
+            return False
+        logger.info("reloaded auth tokens from %s", self.description)
+        return True

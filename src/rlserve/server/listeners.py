@@ -1,0 +1,122 @@
+"""The listening addresses: which services each one serves, its transport security (TLS,
+mutual TLS), and the access interceptor in front of all of it. One listener serves
+everything unless the control plane has an address of its own; health and reflection are
+served on every listener."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from rlserve.api.rlserve.v1 import lifecycle_pb2, lifecycle_pb2_grpc
+from rlserve.api.vllm import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
+from rlserve.config import SecurityConfig, ServeConfig
+from rlserve.server.access import AccessInterceptor
+from rlserve.server.auth import CredentialSource, Listener
+
+INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+CONTROL_SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
+LIFECYCLE_SERVICE = lifecycle_pb2.DESCRIPTOR.services_by_name["Lifecycle"].full_name
+SERVICE_NAMES = (INFERENCE_SERVICE, CONTROL_SERVICE, LIFECYCLE_SERVICE)
+
+
+@dataclass(frozen=True)
+class Servicers:
+    inference: inference_pb2_grpc.InferenceServicer
+    control: control_pb2_grpc.ControlServicer
+    lifecycle: lifecycle_pb2_grpc.LifecycleServicer
+    health: health.aio.HealthServicer
+
+
+@dataclass
+class Listening:
+    address: str
+    kind: Listener
+    server: grpc.aio.Server
+    port: int = 0
+
+
+def plan(config: ServeConfig) -> list[tuple[str, Listener]]:
+    if not config.control_address:
+        return [(config.address, Listener.ALL)]
+    return [(config.address, Listener.INFERENCE), (config.control_address, Listener.CONTROL)]
+
+
+def credential_source(security: SecurityConfig) -> CredentialSource | None:
+    """None when no tokens are configured (client certificates may still authenticate)."""
+    if security.auth_tokens_file is not None:
+        path = security.auth_tokens_file
+        return CredentialSource(lambda: Path(path).read_text(), str(path))
+    if security.auth_tokens_text is not None:
+        text = security.auth_tokens_text
+        return CredentialSource(lambda: text, "RLSERVE_AUTH_TOKENS")
+    return None
+
+
+def build(
+    config: ServeConfig,
+    servicers: Servicers,
+    credentials: CredentialSource | None,
+    record: Callable[[str, str, str], None],
+    observe: Callable[[str, str, float], None],
+) -> list[Listening]:
+    options = [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+        # gRPC cancels calls at random (early detection) once this many wait to be dispatched
+        # (1000 by default): a burst of requests held during a pause must reach rlserve's own
+        # bounds (max_held_requests: RESOURCE_EXHAUSTED) instead.
+        ("grpc.server.max_pending_requests", 2 * max(config.max_held_requests, 1024)),
+        ("grpc.server.max_pending_requests_hard_limit", 4 * max(config.max_held_requests, 1024)),
+    ]
+    listenings = []
+    for address, kind in plan(config):
+        interceptor = AccessInterceptor(
+            listener=kind,
+            credentials=credentials,
+            client_certificates=config.security.tls_client_ca_file is not None,
+            record=record,
+            observe=observe,
+        )
+        server = grpc.aio.server(interceptors=[interceptor], options=options)
+        names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        if kind is not Listener.CONTROL:
+            inference_pb2_grpc.add_InferenceServicer_to_server(servicers.inference, server)
+            names.append(INFERENCE_SERVICE)
+        # On the inference listener the interceptor lets only Control's reads through.
+        control_pb2_grpc.add_ControlServicer_to_server(servicers.control, server)
+        names.append(CONTROL_SERVICE)
+        if kind is not Listener.INFERENCE:
+            lifecycle_pb2_grpc.add_LifecycleServicer_to_server(servicers.lifecycle, server)
+            names.append(LIFECYCLE_SERVICE)
+        health_pb2_grpc.add_HealthServicer_to_server(servicers.health, server)
+        reflection.enable_server_reflection(names, server)
+        listenings.append(Listening(address, kind, server))
+    return listenings
+
+
+async def start(listenings: list[Listening], security: SecurityConfig) -> None:
+    credentials = server_credentials(security)
+    for listening in listenings:
+        server, address = listening.server, listening.address
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"could not bind {address}")
+        listening.port = port
+        await server.start()
+
+
+def server_credentials(security: SecurityConfig) -> grpc.ServerCredentials | None:
+    if security.tls_cert_file is None or security.tls_key_file is None:
+        return None
+    key, cert = security.tls_key_file.read_bytes(), security.tls_cert_file.read_bytes()
+    client_ca = security.tls_client_ca_file.read_bytes() if security.tls_client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
