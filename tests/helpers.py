@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -116,6 +117,14 @@ def save_weights(weights: dict[str, torch.Tensor], path: Path) -> Path:
 
 async def run_trainer(target: str, weights: Path, version: str, *extra: str) -> tuple[int, dict | None, str]:
     """tests/trainer_process.py: the SDK in its own process. Returns (exit code, stats, stderr)."""
+    rc, stats, err = await run_trainer_syncs(target, weights, version, *extra)
+    return rc, (stats[-1] if stats else None), err
+
+
+async def run_trainer_syncs(
+    target: str, weights: Path, version: str, *extra: str, timeout_s: float = 120
+) -> tuple[int, list[dict], str]:
+    """The same, with the stats of every sync it made (--repeat)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         str(TRAINER),
@@ -129,9 +138,9 @@ async def run_trainer(target: str, weights: Path, version: str, *extra: str) -> 
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
-    lines = [line for line in out.decode().splitlines() if line.startswith("{")]
-    return proc.returncode, (json.loads(lines[-1]) if lines else None), err.decode()[-2000:]
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=timeout_s)
+    lines = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
+    return proc.returncode, lines, err.decode()[-2000:]
 
 
 async def reference_outputs(
@@ -161,6 +170,7 @@ class Stubs:
     control: control_pb2_grpc.ControlStub
     inference: inference_pb2_grpc.InferenceStub
     lifecycle: lifecycle_pb2_grpc.LifecycleStub
+    server: Any = None  # the RlserveServer
 
 
 @contextlib.asynccontextmanager
@@ -180,6 +190,7 @@ async def serving(engine, config: ServeConfig) -> AsyncIterator[Stubs]:
                 control_pb2_grpc.ControlStub(ch),
                 inference_pb2_grpc.InferenceStub(ch),
                 lifecycle_pb2_grpc.LifecycleStub(ch),
+                srv,
             )
     finally:
         await srv.stop(0)
@@ -215,19 +226,33 @@ class HandTrainer:
         self.group = await loop.run_in_executor(self.pool, GlooGroup, store, 0, world_size, self.timeout_s)
         await rpc
 
-    async def send(self, chunk: dict, tensors: list[torch.Tensor] | None, vote: bool = True, broadcast: bool = True):
+    async def send(
+        self,
+        chunk: dict,
+        tensors: list[torch.Tensor] | None,
+        vote: bool = True,
+        broadcast: bool = True,
+        raw_vote: torch.Tensor | None = None,
+    ):
         """UpdateWeights with `chunk`, voting and sending `tensors` (one bucket) alongside;
-        `broadcast=False` votes yes and then sends nothing, as a trainer that hangs."""
+        `broadcast=False` votes yes and then sends nothing, as a trainer that hangs;
+        `raw_vote` is all-reduced in place of a well-formed vote."""
         loop = asyncio.get_running_loop()
         request = cpb.UpdateWeightsRequest(update_info_json=json.dumps(chunk).encode())
         rpc = loop.run_in_executor(self.pool, self.client.control.UpdateWeights, request)
-        if tensors is not None:
+        if raw_vote is not None:
+            group = self.group
+            assert group is not None
+            with contextlib.suppress(RuntimeError):  # the server's side of the group is gone
+                await loop.run_in_executor(self.pool, group.allreduce_min, raw_vote)
+        elif tensors is not None:
             group = self.group
             assert group is not None
             go = await loop.run_in_executor(self.pool, group.vote, vote)
             if go and broadcast:
                 flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
-                await loop.run_in_executor(self.pool, lambda: group.broadcast_async(flat).wait())
+                with contextlib.suppress(RuntimeError):  # a server that dropped a malformed send
+                    await loop.run_in_executor(self.pool, lambda: group.broadcast_async(flat).wait())
         return await rpc
 
     def close(self) -> None:

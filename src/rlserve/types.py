@@ -248,6 +248,17 @@ class EngineStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """How busy one data-parallel engine is, as its scheduler last reported."""
+
+    data_parallel_rank: int
+    num_running_requests: int
+    num_waiting_requests: int
+    kv_cache_usage: float  # 0..1 of the KV cache blocks in use
+    unix_time_s: float  # when the engine reported these figures; 0: not yet
+
+
+@dataclass(frozen=True, slots=True)
 class ServedChecksums:
     """Digests of the weights one engine serves, per checkpoint tensor; `inconsistent` names
     tensors whose serving places (e.g. an embedding and the lm_head tied to it) disagree."""

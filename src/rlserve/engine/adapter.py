@@ -26,7 +26,9 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from rlserve import __version__
 from rlserve.config import EngineConfig
 from rlserve.engine.liveness import EngineMonitor
+from rlserve.engine.load import LoadBoard
 from rlserve.engine.outputs import OutputTranslator, aborted_before_start
+from rlserve.engine.process_group import engine_in_own_group
 from rlserve.engine.sampling import ModelLimits, build_prompt_token_ids, build_sampling_params
 from rlserve.engine.transport import WeightTransport, make_transport
 from rlserve.errors import EngineUnavailable, InvalidRequest, UnknownModel
@@ -64,8 +66,7 @@ def engine_args(config: EngineConfig) -> AsyncEngineArgs:
         "scheduling_policy": config.scheduling_policy,
         "seed": config.seed,
         "worker_extension_cls": WORKER_EXTENSION,
-        # rlserve exports no metrics; vLLM's per-token stats would only cost frontend CPU.
-        "disable_log_stats": True,
+        "disable_log_stats": not config.log_stats,
         **config.extra_engine_args,
     }
     kv_gib = config.kv_cache_gib
@@ -96,8 +97,9 @@ class PreparedRequest:
 
 
 class EngineAdapter:
-    def __init__(self, llm: AsyncLLM, config: EngineConfig) -> None:
+    def __init__(self, llm: AsyncLLM, config: EngineConfig, load: LoadBoard | None = None) -> None:
         self._llm = llm
+        self.load = load  # None: the engine was started without stats
         self._config = config
         self._instance_id = uuid.uuid4().hex
         vc = llm.vllm_config
@@ -128,8 +130,10 @@ class EngineAdapter:
     @classmethod
     def start(cls, config: EngineConfig) -> EngineAdapter:
         """Start the engine (tens of seconds); raises what vLLM raises on a bad config."""
-        llm = AsyncLLM.from_engine_args(engine_args(config))
-        return cls(llm, config)
+        load = LoadBoard() if config.log_stats else None
+        with engine_in_own_group():
+            llm = AsyncLLM.from_engine_args(engine_args(config), stat_loggers=[load.logger] if load else None)
+        return cls(llm, config, load)
 
     @property
     def llm(self) -> AsyncLLM:
@@ -183,6 +187,12 @@ class EngineAdapter:
         ids = [i for i in request_ids if i]
         if ids:
             await self.monitor.guard(self._llm.abort(ids))
+
+    async def abort_all(self) -> None:
+        """Abort every request in the engine (shutdown); each ends with finish reason abort."""
+        ids = [stream.internal_id for stream in self._streams]
+        if ids and not self.monitor.is_dead:
+            await self.monitor.guard(self._llm.abort(ids, internal=True))
 
     async def _abort_internal(self, internal_id: str) -> None:
         """Abort one submitted request by vLLM's internal id, which is unique."""
@@ -278,6 +288,11 @@ class EngineAdapter:
             max_batched_tokens=sc.max_num_batched_tokens,
             rl_capabilities=self.capabilities(),
         )
+
+    @property
+    def weight_dtype(self) -> str:
+        """What the model computes with, e.g. "float32"."""
+        return str(self._llm.vllm_config.model_config.dtype).removeprefix("torch.")
 
     def capabilities(self) -> RlCapabilities:
         vc = self._llm.vllm_config

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from rlserve.errors import CapabilityMissing, EngineUnavailable, PauseDraining, VersionMismatch, WrongState
 from rlserve.lifecycle.gate import GenerationGate, Ticket
 from rlserve.lifecycle.mutation import survives_caller_cancellation
-from rlserve.lifecycle.owner import StateOwner
+from rlserve.lifecycle.owner import Observer, StateOwner
 from rlserve.lifecycle.state import (
     LifecycleSnapshot,
     LifecycleState,
@@ -28,7 +28,7 @@ from rlserve.lifecycle.state import (
     is_stronger,
 )
 from rlserve.lifecycle.weight_updates import WeightUpdates
-from rlserve.types import MEMORY_TAGS, GenerateChunk, GenerateParams, PauseMode, PausePhase, SleepTag
+from rlserve.types import MEMORY_TAGS, EngineLoad, GenerateChunk, GenerateParams, PauseMode, PausePhase, SleepTag
 
 if TYPE_CHECKING:
     from rlserve.engine.adapter import EngineAdapter
@@ -45,9 +45,10 @@ class LifecycleController:
         transfer_timeout_s: float = 60.0,
         lease_s: float | None = None,
         max_transfer_info_bytes: int = 16 << 20,
+        transfer_allowed_hosts: tuple[str, ...] = (),
     ) -> None:
         self._engine = engine
-        self._owner = StateOwner(initial_version)
+        self._owner = StateOwner(initial_version, engine.monitor.check_alive)
         self._gate = GenerationGate(
             max_held=max_held_requests,
             max_held_bytes=max_held_bytes,
@@ -64,6 +65,7 @@ class LifecycleController:
             timeout_s=transfer_timeout_s,
             lease_s=lease_s if lease_s is not None else transfer_timeout_s,
             max_info_bytes=max_transfer_info_bytes,
+            allowed_hosts=transfer_allowed_hosts,
             resume=self._resume_locked,
         )
 
@@ -101,6 +103,11 @@ class LifecycleController:
         self._gate.abort(request_ids)
         await self._engine.abort(request_ids)
 
+    async def abort_everything(self) -> None:
+        """Shutdown: every held request and every request in the engine ends ABORTED now."""
+        self._gate.abort_all()
+        await self._engine.abort_all()
+
     # Pause and resume -------------------------------------------------------------------
 
     @survives_caller_cancellation
@@ -110,14 +117,19 @@ class LifecycleController:
         lets the kept requests finish, anything -> ABORT ends them.
         Raises WrongState (KEEP -> WAIT with an update open)."""
         detail = f"mode={mode.name} clear_cache={clear_cache}"
-        if self._owner.state.is_paused and not is_stronger(mode, self._owner.state):
-            # Changes nothing, so it needs no lock: it never waits behind a weight transfer.
+        st = self._owner.state
+        if st.pause_phase is PausePhase.PAUSED and not is_stronger(mode, st):
+            # A complete pause already holds: no lock, so it never waits behind a transfer. (A
+            # pause still under way is waited for below, behind the lock it holds.)
+            self._owner.check_alive()
             self._owner.record("pause", detail, "noop")
-            drain = self._drain
+            self.weights.cancel_lease()
+            drain = None
         else:
             async with self._owner.lock:
                 with self._owner.audited("pause", detail) as outcome:
                     st = self._owner.state
+                    self.weights.cancel_lease()
                     if st.is_paused and not is_stronger(mode, st):
                         outcome.append("noop")
                         drain = self._drain
@@ -175,6 +187,7 @@ class LifecycleController:
             with self._owner.audited("resume", "") as outcome:
                 st = self._owner.state
                 check_can_resume(st, is_draining=self._drain is not None)
+                self.weights.cancel_lease()
                 if not st.is_paused:
                     outcome.append("noop")
                     return
@@ -193,6 +206,7 @@ class LifecycleController:
         async with self._owner.lock:
             with self._owner.audited("sleep", f"level={level} mode={mode.name}") as outcome:
                 self._require_sleep_mode()
+                self.weights.cancel_lease()
                 check_sleep_request(level, mode)
                 st = self._owner.state
                 if st.update_session is not None:
@@ -272,7 +286,23 @@ class LifecycleController:
             engines=tuple(await self._engine.engine_statuses()),
             capabilities=self._engine.capabilities(),
             recent_mutations=self._owner.audit_log(),
+            weight_dtype=self._engine.weight_dtype,
         )
 
     def watch(self) -> AsyncIterator[LifecycleState]:
         return self._owner.watch()
+
+    def observe(self, observer: Observer) -> None:
+        """See `StateOwner.observe` (metrics)."""
+        self._owner.observe(observer)
+
+    def load(self) -> tuple[tuple[EngineLoad, ...], int]:
+        """Each engine's load as its scheduler last reported it, and the held requests."""
+        board = self._engine.load
+        if board is None:
+            raise CapabilityMissing("the server runs without engine stats (--disable-log-stats)")
+        return board.engines(), self._owner.state.num_held_requests
+
+    def record(self, operation: str, detail: str, outcome: str) -> None:
+        """Audit a call refused before it reached the controller (e.g. by access control)."""
+        self._owner.record(operation, detail, outcome)

@@ -86,6 +86,12 @@ class GenerationGate:
             ticket.error = error
             ticket._wake.set()
 
+    def abort_all(self) -> None:
+        """Every held request and every one on its way in ends without running (shutdown)."""
+        for ticket in (*self._held, *self._entering):
+            ticket.aborted = True
+            ticket._wake.set()
+
     def abort(self, request_ids: Iterable[str]) -> None:
         """Held requests with these ids end without running; ones on their way in are
         marked, and their caller aborts them in the engine once they arrive."""

@@ -1,38 +1,44 @@
 """The gRPC server: binds first (health NOT_SERVING), starts or attaches the engine (SERVING),
-and on shutdown reports NOT_SERVING, drains in-flight RPCs for a grace period, then stops.
-When the engine dies (its process exits, or it stops answering) health goes NOT_SERVING and
-every call answers UNAVAILABLE; the process stays up so that a supervisor sees it.
+and on shutdown reports NOT_SERVING, drains in-flight RPCs for a grace period (what is still
+running or held just before it ends is aborted, so every request gets its terminal message),
+then stops the engine.
+While generation is paused or asleep `vllm.Inference` reports NOT_SERVING (a router drains
+the server) and the server as a whole stays SERVING. When the engine dies (its process
+exits, or it stops answering) everything goes NOT_SERVING and every call answers UNAVAILABLE;
+the process stays up so that a supervisor sees it.
 
-Owns the grpc.aio server, health and reflection; not the engine's internals.
+Owns the listeners, health and the credentials; not the engine's internals.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
-from rlserve.api.rlserve.v1 import lifecycle_pb2, lifecycle_pb2_grpc
-from rlserve.api.vllm import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
-from rlserve.config import ServeConfig
+from rlserve.config import ServeConfig, is_loopback
 from rlserve.engine.adapter import EngineAdapter
+from rlserve.errors import RlserveError
 from rlserve.lifecycle.controller import LifecycleController
+from rlserve.lifecycle.state import LifecycleState
+from rlserve.model_cache import default_model_dir
+from rlserve.server import listeners
 from rlserve.server.backend import EngineSlot
 from rlserve.server.control import ControlServicer
 from rlserve.server.inference import InferenceServicer
 from rlserve.server.lifecycle import LifecycleServicer
+from rlserve.server.metrics import Metrics, MetricsEndpoint
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAMES = (
-    inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
-    control_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
-    lifecycle_pb2.DESCRIPTOR.services_by_name["Lifecycle"].full_name,
-)
+# Requests still running this long before the shutdown grace ends are aborted.
+ABORT_MARGIN_S = 1.0
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class RlserveServer:
@@ -41,33 +47,58 @@ class RlserveServer:
         self.slot = EngineSlot()
         self._owns_engine = False
         self._health = health.aio.HealthServicer()
-        opts = [
-            ("grpc.max_send_message_length", config.max_message_bytes),
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-        ]
-        self._server = grpc.aio.server(options=opts)
-        limits = config.limits
-        inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(self.slot, limits), self._server)
-        control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self.slot, limits), self._server)
-        lifecycle_pb2_grpc.add_LifecycleServicer_to_server(LifecycleServicer(self.slot), self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        names = (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, self._server)
-        self.port = 0
+        self._health_task: asyncio.Task[None] | None = None
+        self.metrics = Metrics()
+        self._metrics_endpoint: MetricsEndpoint | None = None
+        security = config.security
+        control = config.control_address or config.address
+        self.insecure_control = not security.auth_enabled and not is_loopback(control)
+        self.credentials = listeners.credential_source(security)
+        servicers = listeners.Servicers(
+            inference=InferenceServicer(self.slot, config.limits),
+            control=ControlServicer(self.slot, config.limits),
+            lifecycle=LifecycleServicer(self.slot, insecure_control=self.insecure_control),
+            health=self._health,
+        )
+        self._listenings = listeners.build(
+            config, servicers, self.credentials, self._record_refusal, self.metrics.observe_rpc
+        )
+
+    @property
+    def port(self) -> int:
+        """The inference listener's port (the only one, unless control has its own)."""
+        return self._listenings[0].port
+
+    @property
+    def control_port(self) -> int:
+        return self._listenings[-1].port
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._metrics_endpoint.port if self._metrics_endpoint is not None else None
 
     async def start(self) -> int:
-        """Bind and start answering (health NOT_SERVING); returns the bound port."""
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{self.config.host}:{self.config.port}"
-        self.port = self._server.add_insecure_port(address)
-        if self.port == 0:
-            raise OSError(f"could not bind {address}")
-        await self._server.start()
-        logger.info("rlserve listening on %s:%d (engine starting)", self.config.host, self.port)
+        """Bind and start answering (health NOT_SERVING); returns the inference port."""
+        await self._set_health(NOT_SERVING)
+        await listeners.start(self._listenings, self.config.security)
+        for listening in self._listenings:
+            logger.info("rlserve listening on %s (%s; engine starting)", listening.address, listening.kind.value)
+        if self.config.metrics_port is not None:
+            self._metrics_endpoint = MetricsEndpoint(self.metrics, self.config.host, self.config.metrics_port)
+            logger.info("metrics on http://%s:%d/metrics", self.config.host, self._metrics_endpoint.port)
+        if self.insecure_control:
+            logger.warning(
+                "the control plane listens on %s WITHOUT authentication (--insecure-control): anyone who "
+                "can reach it can pause the server and replace its weights",
+                self.config.control_address or self.config.address,
+            )
         return self.port
 
     async def start_engine(self) -> None:
-        """Start the configured engine off the event loop, so health keeps answering."""
+        """Start the configured engine off the event loop, so health keeps answering (also
+        while the default model is converted, the first time)."""
+        if self.config.engine.is_default_model:
+            await asyncio.to_thread(default_model_dir, Path(self.config.engine.model))
         engine = await asyncio.to_thread(EngineAdapter.start, self.config.engine)
         self._owns_engine = True
         await self.attach_engine(engine)
@@ -82,43 +113,91 @@ class RlserveServer:
             transfer_timeout_s=config.transfer_timeout_s,
             lease_s=config.lease_s,
             max_transfer_info_bytes=config.limits.max_transfer_info_bytes,
+            transfer_allowed_hosts=config.security.transfer_allowed_hosts,
         )
         self.slot.set(engine, lifecycle)
+        lifecycle.observe(self.metrics)
         engine.monitor.on_dead(self._engine_died)
         engine.monitor.start()
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(SERVING)
+        self._health_task = asyncio.ensure_future(self._follow(lifecycle))
         logger.info("rlserve serving %s", engine.model_info().served_model_name)
 
+    async def _follow(self, lifecycle: LifecycleController) -> None:
+        """vllm.Inference is NOT_SERVING while generation is paused or asleep."""
+        serving = None
+        async for state in lifecycle.watch():
+            now = _inference_serving(state)
+            if now != serving:
+                serving = now
+                await self._health.set(listeners.INFERENCE_SERVICE, SERVING if now else NOT_SERVING)
+
     def _engine_died(self, reason: str) -> None:
+        self.metrics.engine_died()
         if self.slot.is_set:
             self.slot.clear(reason)
-            asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+            self._stop_following()
+            asyncio.ensure_future(self._set_health(NOT_SERVING))
+
+    def _record_refusal(self, operation: str, detail: str, outcome: str) -> None:
+        lifecycle = self.slot.lifecycle_or_none
+        if lifecycle is not None:
+            lifecycle.record(operation, detail, outcome)
+
+    def reload_credentials(self) -> None:
+        """SIGHUP: re-read the tokens file; a file that does not parse keeps the old tokens."""
+        if self.credentials is not None:
+            self.credentials.reload()
 
     async def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, then refuse new RPCs and drain in-flight ones for `grace_s` seconds;
         RPCs still running after that are cancelled, which aborts their engine requests."""
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        self._stop_following()
         await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace)
+        stopping = [asyncio.ensure_future(listening.server.stop(grace)) for listening in self._listenings]
+        lifecycle = self.slot.lifecycle_or_none
+        if lifecycle is not None and grace > 0:
+            # Shortly before the grace ends, what still runs or is held ends ABORTED: a terminal
+            # message for every request rather than a cancelled call.
+            _, running = await asyncio.wait(stopping, timeout=grace - min(ABORT_MARGIN_S, grace / 4))
+            if running:
+                logger.info("grace period ending: aborting the requests still in flight")
+                with contextlib.suppress(RlserveError):
+                    await lifecycle.abort_everything()
+        await asyncio.gather(*stopping)
+        if self._metrics_endpoint is not None:
+            self._metrics_endpoint.close()
+            self._metrics_endpoint = None
         engine = self.slot.engine_or_none
         self.slot.clear("the server is shutting down")
         if engine is not None and self._owns_engine:
             await engine.close()
             await asyncio.to_thread(engine.shutdown)
 
+    def _stop_following(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            self._health_task = None
+
     async def _set_health(self, status: int) -> None:
-        for name in ("", *SERVICE_NAMES):
+        for name in ("", *listeners.SERVICE_NAMES):
             await self._health.set(name, status)
 
 
+def _inference_serving(state: LifecycleState) -> bool:
+    return not state.is_paused and not state.is_sleeping
+
+
 async def serve(config: ServeConfig) -> None:
-    """Run until SIGINT or SIGTERM, then shut down gracefully."""
+    """Run until SIGINT or SIGTERM, then shut down gracefully; SIGHUP re-reads the tokens."""
     server = RlserveServer(config)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, server.reload_credentials)
     engine_task = asyncio.create_task(server.start_engine())
     stop_task = asyncio.create_task(stop.wait())
     try:
@@ -128,6 +207,8 @@ async def serve(config: ServeConfig) -> None:
             await stop_task
         else:
             engine_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await engine_task
     finally:
         logger.info("shutting down: draining in-flight requests for up to %.1f s", config.shutdown_grace_s)
         await server.stop()

@@ -397,9 +397,15 @@ def lifecycle_snapshot(snap: LifecycleSnapshot) -> lifecycle_pb2.LifecycleState:
     for e in snap.engines:
         msg.engines.add(data_parallel_rank=e.data_parallel_rank, paused=e.is_paused, weight_version=e.weight_version)
     msg.capabilities.CopyFrom(_capabilities(snap.capabilities))
+    msg.weight_dtype = snap.weight_dtype
     for a in snap.recent_mutations:
         msg.recent_mutations.add(
-            sequence=a.sequence, operation=a.operation, detail=a.detail, outcome=a.outcome, unix_time_s=a.unix_time_s
+            sequence=a.sequence,
+            operation=a.operation,
+            detail=a.detail,
+            outcome=a.outcome,
+            unix_time_s=a.unix_time_s,
+            caller=a.caller,
         )
     return msg
 
@@ -411,3 +417,17 @@ def weight_checksum(served: types.ServedChecksums) -> lifecycle_pb2.WeightChecks
         per_tensor=dict(served.per_tensor),
         inconsistent_tensors=list(served.inconsistent),
     )
+
+
+def load_report(engines: tuple[types.EngineLoad, ...], num_held: int) -> lifecycle_pb2.LoadReport:
+    report = lifecycle_pb2.LoadReport(num_held_requests=num_held)
+    for e in engines:
+        report.engines.add(
+            data_parallel_rank=e.data_parallel_rank,
+            num_running_requests=e.num_running_requests,
+            num_waiting_requests=e.num_waiting_requests,
+            kv_cache_usage=e.kv_cache_usage,
+            unix_time_s=e.unix_time_s,
+        )
+    report.num_outstanding_requests = num_held + sum(e.num_running_requests + e.num_waiting_requests for e in engines)
+    return report

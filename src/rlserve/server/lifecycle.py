@@ -15,12 +15,15 @@ Ctx = grpc.aio.ServicerContext
 
 
 class LifecycleServicer(lifecycle_pb2_grpc.LifecycleServicer):
-    def __init__(self, slot: EngineSlot) -> None:
+    def __init__(self, slot: EngineSlot, *, insecure_control: bool = False) -> None:
         self._slot = slot
+        self._insecure_control = insecure_control
 
     @translate_errors
     async def GetState(self, request: pb.GetStateRequest, context: Ctx) -> pb.LifecycleState:
-        return convert.lifecycle_snapshot(await self._slot.lifecycle.snapshot())
+        state = convert.lifecycle_snapshot(await self._slot.lifecycle.snapshot())
+        state.insecure_control = self._insecure_control
+        return state
 
     @translate_errors
     async def WatchState(self, request: pb.WatchStateRequest, context: Ctx):
@@ -42,3 +45,7 @@ class LifecycleServicer(lifecycle_pb2_grpc.LifecycleServicer):
     @translate_errors
     async def GetWeightChecksum(self, request: pb.GetWeightChecksumRequest, context: Ctx) -> pb.WeightChecksum:
         return convert.weight_checksum(await self._slot.lifecycle.weights.checksums())
+
+    @translate_errors
+    async def GetLoad(self, request: pb.GetLoadRequest, context: Ctx) -> pb.LoadReport:
+        return convert.load_report(*self._slot.lifecycle.load())

@@ -19,6 +19,34 @@ PAUSE_PHASE_RUNNING: PausePhase
 PAUSE_PHASE_PAUSING: PausePhase
 PAUSE_PHASE_PAUSED: PausePhase
 
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineLoad(_message.Message):
+    __slots__ = ("data_parallel_rank", "num_running_requests", "num_waiting_requests", "kv_cache_usage", "unix_time_s")
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    data_parallel_rank: int
+    num_running_requests: int
+    num_waiting_requests: int
+    kv_cache_usage: float
+    unix_time_s: float
+    def __init__(self, data_parallel_rank: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., unix_time_s: _Optional[float] = ...) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("engines", "num_held_requests", "num_outstanding_requests")
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTSTANDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    engines: _containers.RepeatedCompositeFieldContainer[EngineLoad]
+    num_held_requests: int
+    num_outstanding_requests: int
+    def __init__(self, engines: _Optional[_Iterable[_Union[EngineLoad, _Mapping]]] = ..., num_held_requests: _Optional[int] = ..., num_outstanding_requests: _Optional[int] = ...) -> None: ...
+
 class AbortWeightUpdateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -85,21 +113,23 @@ class EngineState(_message.Message):
     def __init__(self, data_parallel_rank: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class AuditEntry(_message.Message):
-    __slots__ = ("sequence", "operation", "detail", "outcome", "unix_time_s")
+    __slots__ = ("sequence", "operation", "detail", "outcome", "unix_time_s", "caller")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     OPERATION_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    CALLER_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     operation: str
     detail: str
     outcome: str
     unix_time_s: float
-    def __init__(self, sequence: _Optional[int] = ..., operation: _Optional[str] = ..., detail: _Optional[str] = ..., outcome: _Optional[str] = ..., unix_time_s: _Optional[float] = ...) -> None: ...
+    caller: str
+    def __init__(self, sequence: _Optional[int] = ..., operation: _Optional[str] = ..., detail: _Optional[str] = ..., outcome: _Optional[str] = ..., unix_time_s: _Optional[float] = ..., caller: _Optional[str] = ...) -> None: ...
 
 class LifecycleState(_message.Message):
-    __slots__ = ("revision", "pause_phase", "pause_mode", "asleep", "sleep_level", "weights_consistent", "inconsistency_reason", "weight_version", "num_held_requests", "engines", "capabilities", "recent_mutations", "transport_ready", "update_session", "transport_initializing")
+    __slots__ = ("revision", "pause_phase", "pause_mode", "asleep", "sleep_level", "weights_consistent", "inconsistency_reason", "weight_version", "num_held_requests", "engines", "capabilities", "recent_mutations", "transport_ready", "update_session", "transport_initializing", "insecure_control", "weight_dtype")
     REVISION_FIELD_NUMBER: _ClassVar[int]
     PAUSE_PHASE_FIELD_NUMBER: _ClassVar[int]
     PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +145,8 @@ class LifecycleState(_message.Message):
     TRANSPORT_READY_FIELD_NUMBER: _ClassVar[int]
     UPDATE_SESSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_INITIALIZING_FIELD_NUMBER: _ClassVar[int]
+    INSECURE_CONTROL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     revision: int
     pause_phase: PausePhase
     pause_mode: _control_pb2.PauseMode
@@ -130,7 +162,9 @@ class LifecycleState(_message.Message):
     transport_ready: bool
     update_session: WeightUpdateSession
     transport_initializing: bool
-    def __init__(self, revision: _Optional[int] = ..., pause_phase: _Optional[_Union[PausePhase, str]] = ..., pause_mode: _Optional[_Union[_control_pb2.PauseMode, str]] = ..., asleep: _Optional[_Iterable[str]] = ..., sleep_level: _Optional[int] = ..., weights_consistent: _Optional[bool] = ..., inconsistency_reason: _Optional[str] = ..., weight_version: _Optional[str] = ..., num_held_requests: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., capabilities: _Optional[_Union[_control_pb2.RlCapabilities, _Mapping]] = ..., recent_mutations: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ..., transport_ready: _Optional[bool] = ..., update_session: _Optional[_Union[WeightUpdateSession, _Mapping]] = ..., transport_initializing: _Optional[bool] = ...) -> None: ...
+    insecure_control: bool
+    weight_dtype: str
+    def __init__(self, revision: _Optional[int] = ..., pause_phase: _Optional[_Union[PausePhase, str]] = ..., pause_mode: _Optional[_Union[_control_pb2.PauseMode, str]] = ..., asleep: _Optional[_Iterable[str]] = ..., sleep_level: _Optional[int] = ..., weights_consistent: _Optional[bool] = ..., inconsistency_reason: _Optional[str] = ..., weight_version: _Optional[str] = ..., num_held_requests: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., capabilities: _Optional[_Union[_control_pb2.RlCapabilities, _Mapping]] = ..., recent_mutations: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ..., transport_ready: _Optional[bool] = ..., update_session: _Optional[_Union[WeightUpdateSession, _Mapping]] = ..., transport_initializing: _Optional[bool] = ..., insecure_control: _Optional[bool] = ..., weight_dtype: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightVersionRequest(_message.Message):
     __slots__ = ("weight_version", "expected_weight_version")

@@ -59,6 +59,11 @@ class LifecycleStub:
                 request_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.GetWeightChecksumRequest.SerializeToString,
                 response_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.WeightChecksum.FromString,
                 _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/rlserve.v1.Lifecycle/GetLoad',
+                request_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.LoadReport.FromString,
+                _registered_method=True)
 
 
 class LifecycleServicer:
@@ -122,6 +127,18 @@ class LifecycleServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLoad(self, request, context):
+        """How busy the server is, for load-aware routers: per data-parallel engine the running and
+        waiting requests and the share of KV-cache blocks in use, as the engine's scheduler last
+        reported them (with its outputs, so the figures of an idle engine are those of its last
+        step), and the requests rlserve holds while generation is paused. Read-only, cheap (no
+        call into the engine). Status: FAILED_PRECONDITION when the server runs with
+        --disable-log-stats.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LifecycleServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +166,11 @@ def add_LifecycleServicer_to_server(servicer, server):
                     servicer.GetWeightChecksum,
                     request_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.GetWeightChecksumRequest.FromString,
                     response_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.WeightChecksum.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.GetLoadRequest.FromString,
+                    response_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.LoadReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -286,6 +308,33 @@ class Lifecycle:
             '/rlserve.v1.Lifecycle/GetWeightChecksum',
             rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.GetWeightChecksumRequest.SerializeToString,
             rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.WeightChecksum.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlserve.v1.Lifecycle/GetLoad',
+            rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.GetLoadRequest.SerializeToString,
+            rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,

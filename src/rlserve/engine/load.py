@@ -1,0 +1,56 @@
+"""How busy each data-parallel engine is, from the scheduler stats vLLM already sends with its
+outputs (no extra round trip to the engine core): a stat logger that keeps the latest figures
+per engine for `Lifecycle/GetLoad`."""
+
+from __future__ import annotations
+
+import time
+
+from vllm.config import VllmConfig
+from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+
+from rlserve.types import EngineLoad
+
+
+class LoadBoard:
+    """The latest scheduler figures of every engine; written by vLLM's output handler."""
+
+    def __init__(self) -> None:
+        self._latest: dict[int, EngineLoad] = {}
+
+    def logger(self, vllm_config: VllmConfig, engine_index: int) -> StatLoggerBase:
+        """A per-engine stat logger factory for `AsyncLLM(stat_loggers=[board.logger])`."""
+        self._latest[engine_index] = EngineLoad(engine_index, 0, 0, 0.0, 0.0)
+        return _Recorder(self, engine_index)
+
+    def record(self, engine_index: int, stats: SchedulerStats) -> None:
+        self._latest[engine_index] = EngineLoad(
+            engine_index,
+            stats.num_running_reqs,
+            stats.num_waiting_reqs + stats.num_skipped_waiting_reqs,
+            stats.kv_cache_usage,
+            time.time(),
+        )
+
+    def engines(self) -> tuple[EngineLoad, ...]:
+        return tuple(self._latest[i] for i in sorted(self._latest))
+
+
+class _Recorder(StatLoggerBase):
+    def __init__(self, board: LoadBoard, engine_index: int) -> None:
+        self._board = board
+        self._engine_index = engine_index
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        mm_cache_stats: object = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if scheduler_stats is not None:
+            self._board.record(engine_idx, scheduler_stats)
+
+    def log_engine_initialized(self) -> None:
+        pass

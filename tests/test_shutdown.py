@@ -1,0 +1,111 @@
+"""`rlserve serve` as a process, stopped the way supervisors stop it: SIGTERM to the server, and
+SIGTERM to its whole process group (systemd's default, `kill -- -PGID`). Requests in flight
+finish within the grace period, held ones end ABORTED with their terminal message, the server
+exits 0, and no engine process is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rlserve.api.vllm import control_pb2 as cpb
+from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
+from rlserve.api.vllm import inference_pb2 as pb
+from rlserve.client import generate_request
+
+from helpers import KEEP, free_port, long_request, pause, read_rest
+
+START_S = 180
+
+
+@contextlib.asynccontextmanager
+async def rlserve_process(model: Path, grace_s: float) -> AsyncIterator[tuple[subprocess.Popen, grpc.aio.Channel]]:
+    """A server in a process group of its own (so the test can signal the whole group)."""
+    port = free_port()
+    command = [sys.executable, "-m", "rlserve.cli", "serve", "--model", str(model), "--port", str(port)]
+    command += ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", "0.5"]
+    command += ["--shutdown-grace-s", str(grace_s)]
+    proc = subprocess.Popen(command, process_group=0, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + START_S
+            while True:
+                assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+                assert time.monotonic() < deadline, "the server did not start"
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                await asyncio.sleep(0.5)
+            yield proc, channel
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def engine_processes(proc: subprocess.Popen) -> list[psutil.Process]:
+    return psutil.Process(proc.pid).children(recursive=True)
+
+
+async def exited(proc: subprocess.Popen, within_s: float) -> int:
+    deadline = time.monotonic() + within_s
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, "the server did not exit"
+        await asyncio.sleep(0.1)
+    return proc.returncode
+
+
+def left_behind(processes: list[psutil.Process]) -> list[psutil.Process]:
+    gone, alive = psutil.wait_procs(processes, timeout=10)
+    return alive
+
+
+async def test_sigterm_to_the_whole_process_group_drains_in_flight_streams(tiny_model_dir):
+    async with rlserve_process(tiny_model_dir, grace_s=20) as (proc, channel):
+        inference = inference_pb2_grpc.InferenceStub(channel)
+        engine = engine_processes(proc)
+        assert engine and all(os.getpgid(p.pid) != proc.pid for p in engine), "the engine has a group of its own"
+        stream = inference.GenerateStream(long_request("in flight", max_new_tokens=300))
+        first = await stream.read()
+        os.killpg(proc.pid, signal.SIGTERM)  # the engine processes are not in this group
+        rest = await read_rest(stream)
+        tokens = sum(r.outputs.num_tokens for r in (first, *rest))
+        final = rest[-1].outputs.finish_info
+        assert tokens == 300 and final.finish_reason == pb.FinishInfo.LENGTH
+        assert (await stream.code()) == grpc.StatusCode.OK
+        assert await exited(proc, 30) == 0, proc.stderr.read().decode()[-3000:]
+        assert not left_behind(engine)
+
+
+async def test_sigterm_ends_held_requests_aborted_before_the_grace_runs_out(tiny_model_dir):
+    grace_s = 4.0
+    async with rlserve_process(tiny_model_dir, grace_s=grace_s) as (proc, channel):
+        inference, control = inference_pb2_grpc.InferenceStub(channel), control_pb2_grpc.ControlStub(channel)
+        engine = engine_processes(proc)
+        await pause(control, KEEP)
+        held = asyncio.ensure_future(inference.Generate(generate_request("held", max_new_tokens=4)))
+        await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out = await asyncio.wait_for(held, grace_s + 5)
+        assert out.outputs.finish_info.finish_reason == pb.FinishInfo.ABORTED
+        assert time.monotonic() - t0 < grace_s, "ended before the grace period ran out"
+        assert await exited(proc, 30) == 0, proc.stderr.read().decode()[-3000:]
+        assert not left_behind(engine)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await control.ResumeGeneration(cpb.ResumeGenerationRequest(), timeout=2)
