@@ -9,10 +9,14 @@ TARGET ?= cpu
 STAMP := $(VENV)/.rlserve-$(TARGET)-installed
 PORT ?= 50051
 PYTEST_ARGS ?=
+# NVIDIA Dynamo's vLLM sidecar and frontend, for tests/test_dynamo.py, in a venv of their own.
+DYNAMO_VENV ?= .venv-dynamo
+DYNAMO_VERSION := 1.6.1
+DYNAMO_STAMP := $(DYNAMO_VENV)/.dynamo-$(DYNAMO_VERSION)-installed
 
 .PHONY: install serve test bench protos clean
 
-install: $(STAMP)
+install: $(STAMP) $(DYNAMO_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +32,14 @@ endif
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
+# The two wheels without their dependency tree (it pins vLLM 0.31 and CUDA), plus the few
+# packages the sidecar's and the frontend's entry points import.
+$(DYNAMO_STAMP): Makefile
+	test -x $(DYNAMO_VENV)/bin/python || $(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/python -m pip install -q --no-deps ai-dynamo==$(DYNAMO_VERSION) ai-dynamo-runtime==$(DYNAMO_VERSION)
+	$(DYNAMO_VENV)/bin/python -m pip install -q 'pydantic>=2.10.6,<=2.13.5' pyyaml uvloop packaging msgspec
+	touch $@
+
 serve: install
 	$(VENV)/bin/rlserve serve --port $(PORT)
 
@@ -41,4 +53,4 @@ protos: install
 	$(PY) scripts/gen_protos.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(DYNAMO_VENV) build *.egg-info src/*.egg-info

@@ -73,6 +73,105 @@ class SyncStats:
         return self.num_bytes / self.transfer_s / 1e9 if self.transfer_s else 0.0
 
 
+class TensorSender:
+    """The trainer's half of the rlserve_gloo transport, with no control RPC in it: the
+    rendezvous store, the collective group, the vote on each chunk and its bucketed broadcast.
+    `WeightSync` drives it over rlserve's gRPC control plane; any other control path (Dynamo's
+    RL routes, say) drives it the same way: send `init_info()` to InitWeightTransferEngine
+    while `join()` runs, then for each chunk send `chunk.to_json()` to UpdateWeights while
+    `send(chunk, tensors)` runs."""
+
+    def __init__(
+        self,
+        num_workers: int,
+        *,
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+    ) -> None:
+        """`num_workers`: the server's world size times its data-parallel size."""
+        self.world_size = 1 + num_workers
+        self.timeout_s = timeout_s
+        self._address = master_address
+        self._store = GlooGroup.host_store(master_address, master_port, self.world_size, timeout_s)
+        self._group: GlooGroup | None = None
+
+    def init_info(self) -> dict[str, Any]:
+        """What InitWeightTransferEngine takes as init_info (the workers join as ranks 1..)."""
+        return {
+            "master_address": self._address,
+            "master_port": self._store.port,
+            "rank_offset": 1,
+            "world_size": self.world_size,
+            "timeout_s": self.timeout_s,
+        }
+
+    def join(self) -> None:
+        """Blocks until every worker has joined (or raises at the timeout)."""
+        self._group = GlooGroup(self._store, 0, self.world_size, self.timeout_s)
+
+    @property
+    def joined(self) -> bool:
+        return self._group is not None
+
+    def vote(self, accept: bool = True) -> bool:
+        """True when every worker accepts the chunk the server was just given."""
+        return self._group_or_raise().vote(accept)
+
+    def send(self, chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor], bar: Any = None) -> bool:
+        """Vote, then broadcast the chunk's buckets; False (nothing sent) when the server
+        refused it. A failure leaves the group out of step: `joined` turns False."""
+        try:
+            if not self.vote(True):
+                return False
+            self.broadcast(chunk, tensors, bar or _NoBar())
+            return True
+        except RuntimeError:
+            self._group = None
+            raise
+
+    def broadcast(self, chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor], bar: Any) -> None:
+        group = self._group_or_raise()
+        buckets = plan_buckets(chunk.tensors, chunk.bucket_bytes)
+        # Two buffers: fill the next bucket while the previous one is on the wire.
+        spare = [torch.empty(chunk.bucket_bytes, dtype=torch.uint8) for _ in range(2)]
+        in_flight: list[tuple[Any, int]] = []
+        for i, bucket in enumerate(buckets):
+            if len(in_flight) == 2:
+                work, nbytes = in_flight.pop(0)
+                work.wait()
+                bar.update(nbytes)
+            buffer = _fill(spare[i % 2], bucket, chunk, tensors)
+            in_flight.append((group.broadcast_async(buffer), bucket.num_bytes))
+        for work, nbytes in in_flight:
+            work.wait()
+            bar.update(nbytes)
+
+    def forget(self) -> None:
+        """The group is out of step (a refused or broken chunk): a new rendezvous is needed."""
+        self._group = None
+
+    def _group_or_raise(self) -> GlooGroup:
+        if self._group is None:
+            raise RuntimeError("not joined: call join() while the server runs InitWeightTransferEngine")
+        return self._group
+
+
+def plan_sync(
+    weights: NamedTensors,
+    dtype: torch.dtype | None = None,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> tuple[dict[str, torch.Tensor], list[ChunkInfo]]:
+    """The tensors to send (on the CPU, contiguous, floating ones cast to `dtype`: send in the
+    dtype the server computes with) and the chunks they go in, each with its digests."""
+    tensors = dict(_named_tensors(weights, dtype))
+    if not tensors:
+        raise ValueError("no tensors to sync")
+    return tensors, _plan_chunks(tensors, chunk_bytes, bucket_bytes)
+
+
 class WeightSync:
     def __init__(
         self,
@@ -96,7 +195,7 @@ class WeightSync:
         self._address, self._port, self._timeout_s = master_address, master_port, timeout_s
         self._bucket_bytes, self._chunk_bytes = bucket_bytes, chunk_bytes
         self._rpc_timeout_s, self._pause_timeout_s = rpc_timeout_s, pause_timeout_s
-        self._group: GlooGroup | None = None
+        self._sender: TensorSender | None = None
         # An RPC and a collective at a time, plus room for a collective abandoned after a
         # refusal, which ends only at its own deadline.
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlserve-sync")
@@ -104,23 +203,21 @@ class WeightSync:
     def init(self) -> None:
         """Rendezvous with every inference worker (the server's RPC runs concurrently).
         `sync()` calls it when needed; call it first to pay for it outside the first sync."""
-        self._group = None
+        self._sender = None
         info = self._client.control.GetServerInfo(cpb.GetServerInfoRequest(), timeout=self._rpc_timeout_s)
-        world_size = 1 + info.parallelism.world_size * max(1, info.parallelism.data_parallel_size)
-        store = GlooGroup.host_store(self._address, self._port, world_size, self._timeout_s)
-        init_info = {
-            "master_address": self._address,
-            "master_port": store.port,
-            "rank_offset": 1,
-            "world_size": world_size,
-            "timeout_s": self._timeout_s,
-        }
-        request = cpb.InitWeightTransferEngineRequest(init_info_json=json.dumps(init_info).encode())
+        sender = TensorSender(
+            info.parallelism.world_size * max(1, info.parallelism.data_parallel_size),
+            master_address=self._address,
+            master_port=self._port,
+            timeout_s=self._timeout_s,
+        )
+        request = cpb.InitWeightTransferEngineRequest(init_info_json=json.dumps(sender.init_info()).encode())
         rpc = self._pool.submit(
             self._client.control.InitWeightTransferEngine, request, timeout=self._timeout_s + RPC_MARGIN_S
         )
-        join = self._pool.submit(GlooGroup, store, 0, world_size, self._timeout_s)
-        self._group = _first_failure_wins(rpc, join)
+        join = self._pool.submit(sender.join)
+        _first_failure_wins(rpc, join)
+        self._sender = sender
 
     def sync(
         self,
@@ -136,12 +233,14 @@ class WeightSync:
         mode = PauseMode(pause_mode)
         state = self._lifecycle.GetState(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
         # Sent in the dtype the server computes with: what it serves is then what was sent.
-        tensors = dict(_named_tensors(weights, getattr(torch, state.weight_dtype, None)))
-        if not tensors:
-            raise ValueError("no tensors to sync")
-        chunks = _plan_chunks(tensors, self._chunk_bytes, self._bucket_bytes)
+        tensors, chunks = plan_sync(
+            weights,
+            getattr(torch, state.weight_dtype, None),
+            chunk_bytes=self._chunk_bytes,
+            bucket_bytes=self._bucket_bytes,
+        )
         num_bytes = sum(c.num_bytes for c in chunks)
-        if self._group is None or not state.transport_ready:
+        if self._sender is None or not self._sender.joined or not state.transport_ready:
             self.init()
         control, rpc_s = self._client.control, self._rpc_timeout_s
         t_pause = time.perf_counter()
@@ -175,60 +274,43 @@ class WeightSync:
         )
 
     def close(self) -> None:
-        self._group = None
+        self._sender = None
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _step_timeout_s(self, num_bytes: int) -> float:
         return self._timeout_s * (1 + num_bytes // BYTES_PER_TIMEOUT) + RPC_MARGIN_S
 
     def _send_chunk(self, chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor], bar: Any) -> None:
-        group = self._group
-        assert group is not None
+        sender = self._sender
+        assert sender is not None
         request = cpb.UpdateWeightsRequest(update_info_json=json.dumps(chunk.to_json()).encode())
         rpc: Future = self._pool.submit(
             self._client.control.UpdateWeights, request, timeout=self._step_timeout_s(chunk.num_bytes)
         )
-        vote = self._pool.submit(group.vote, True)
+        vote = self._pool.submit(sender.vote, True)
         done, _ = wait((rpc, vote), return_when=FIRST_COMPLETED)
         if vote not in done:
             # The server answered before its workers voted: it refused the chunk outright.
             # Our vote can no longer complete, so the group is out of step from here on.
-            self._group = None
+            sender.forget()
             rpc.result()
             raise RuntimeError("the server ended UpdateWeights before receiving the chunk")
         try:
             go = vote.result()
         except RuntimeError:
-            self._group = None
+            sender.forget()
             rpc.result()  # the server's reason, if it has one
             raise
         if not go:
             rpc.result()  # raises the server's reason
             raise RuntimeError("the server refused the chunk")
         try:
-            self._broadcast(group, chunk, tensors, bar)
+            sender.broadcast(chunk, tensors, bar)
         except RuntimeError:
-            self._group = None
+            sender.forget()
             rpc.result()
             raise
         rpc.result()
-
-    @staticmethod
-    def _broadcast(group: GlooGroup, chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor], bar: Any) -> None:
-        buckets = plan_buckets(chunk.tensors, chunk.bucket_bytes)
-        # Two buffers: fill the next bucket while the previous one is on the wire.
-        spare = [torch.empty(chunk.bucket_bytes, dtype=torch.uint8) for _ in range(2)]
-        in_flight: list[tuple[Any, int]] = []
-        for i, bucket in enumerate(buckets):
-            if len(in_flight) == 2:
-                work, nbytes = in_flight.pop(0)
-                work.wait()
-                bar.update(nbytes)
-            buffer = _fill(spare[i % 2], bucket, chunk, tensors)
-            in_flight.append((group.broadcast_async(buffer), bucket.num_bytes))
-        for work, nbytes in in_flight:
-            work.wait()
-            bar.update(nbytes)
 
     def _recover(self, error: Exception) -> WeightSyncError:
         """Abort the session; resume when the served weights are still the old ones."""
@@ -257,15 +339,14 @@ class WeightSync:
         return served.overall
 
 
-def _first_failure_wins(rpc: Future, join: Future) -> GlooGroup:
+def _first_failure_wins(rpc: Future, join: Future) -> None:
     """The server's refusal (e.g. a bad init_info) or our side's failure, whichever comes
     first; a refusal does not wait for our rendezvous to time out."""
     done, _ = wait((rpc, join), return_when=FIRST_COMPLETED)
     if rpc in done:
         rpc.result()  # raises the server's reason
-    group = join.result()
+    join.result()
     rpc.result()
-    return group
 
 
 def _named_tensors(weights: NamedTensors, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:

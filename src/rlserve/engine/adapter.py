@@ -270,7 +270,8 @@ class EngineAdapter:
         pc, sc = vc.parallel_config, vc.scheduler_config
         return ServerInfo(
             engine_version=vllm.__version__,
-            api_version=f"rlserve/{__version__}",
+            # The API family, not a version: Dynamo's sidecar accepts only `vllm` here.
+            api_version="vllm",
             instance_id=self._instance_id,
             parallelism=ParallelismInfo(
                 tensor_parallel_size=pc.tensor_parallel_size,
