@@ -5,6 +5,7 @@ within seconds; nothing hangs. The module starts an engine of its own, since it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -31,9 +32,12 @@ async def doomed(engine_config):
     from rlserve.engine.adapter import EngineAdapter
 
     adapter = await asyncio.to_thread(EngineAdapter.start, replace(engine_config, hang_timeout_s=HANG_TIMEOUT_S))
+    core = core_of(adapter)
+    mine = [core, *core.children(recursive=True)]
     yield adapter
-    for proc in engine_processes():
-        proc.kill()
+    for proc in mine:  # only this engine's: other modules' shared engines live on
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
     adapter.shutdown()
 
 
