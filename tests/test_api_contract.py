@@ -17,7 +17,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pb2
 
 from rlserve.api.rlserve.v1 import rlserve_pb2, rlserve_pb2_grpc
-from rlserve.api.vllm import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
+from rlserve.api.vllm import aliases_pb2, control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 FD = _descriptor.FieldDescriptor
@@ -42,7 +42,9 @@ MESSAGES: dict[str, dict[str, tuple[int, str]]] = {
         "session_id": (13, "optional string"),
         "media": (14, "repeated vllm.MediaItem"),
         "lora_name": (15, "string"),
-        "native_sampling_params_json": (16, "bytes"),
+        # Upstream's 16 (vllm-rs, vllm-router); Dynamo's vendored bytes at 16 are read as 1016.
+        "watermarking": (16, "optional bool"),
+        "native_sampling_params_json": (1016, "bytes"),
     },
     "vllm.TokenIds": {"ids": (1, "repeated uint32")},
     "vllm.RandomSampling": {
@@ -96,7 +98,7 @@ MESSAGES: dict[str, dict[str, tuple[int, str]]] = {
         "all": (3, "bool"),
     },
     "vllm.MediaItem": {
-        "modality": (1, "vllm.MediaItem.Modality"),
+        "modality": (1, "vllm.Modality"),
         "url": (2, "string"),
         "data_uri": (3, "string"),
         "raw_bytes": (4, "bytes"),
@@ -153,7 +155,9 @@ MESSAGES: dict[str, dict[str, tuple[int, str]]] = {
         "total_kv_blocks": (7, "uint64"),
         "max_running_requests": (8, "uint64"),
         "max_batched_tokens": (9, "uint64"),
+        "max_loras": (10, "uint32"),
         "rl_capabilities": (11, "vllm.RlCapabilities"),
+        "effective_attention_block_size": (14, "optional uint64"),
     },
     "vllm.RlCapabilities": {
         "weight_transfer_enabled": (1, "bool"),
@@ -177,12 +181,20 @@ MESSAGES: dict[str, dict[str, tuple[int, str]]] = {
         "served_model_aliases": (3, "repeated string"),
         "supports_text_input": (20, "bool"),
         "supports_token_ids_input": (21, "bool"),
+        "supports_lora": (22, "bool"),
         "supports_multimodal": (23, "bool"),
         "reasoning_parser": (24, "string"),
         "tool_call_parser": (25, "string"),
     },
     "vllm.AbortRequest": {"request_ids": (1, "repeated string")},
     "vllm.AbortResponse": {},
+    "vllm.LoraAdapter": {"lora_id": (1, "int64"), "lora_name": (2, "string"), "source_path": (3, "string")},
+    "vllm.LoadLoraRequest": {"lora_name": (1, "string"), "source_path": (2, "string")},
+    "vllm.LoadLoraResponse": {"adapter": (1, "vllm.LoraAdapter")},
+    "vllm.UnloadLoraRequest": {"lora_name": (1, "string")},
+    "vllm.UnloadLoraResponse": {"adapter": (1, "vllm.LoraAdapter")},
+    "vllm.ListLorasRequest": {},
+    "vllm.ListLorasResponse": {"adapters": (1, "repeated vllm.LoraAdapter")},
     "vllm.GetKvEventSourcesRequest": {},
     "vllm.GetKvEventSourcesResponse": {"sources": (1, "repeated vllm.KvEventSource")},
     "vllm.KvEventSource": {
@@ -226,6 +238,8 @@ MESSAGES: dict[str, dict[str, tuple[int, str]]] = {
     "vllm.UpdateWeightVersionResponse": {},
     "vllm.GetWeightVersionRequest": {},
     "vllm.GetWeightVersionResponse": {"weight_version": (1, "string")},
+    "vllm.ShutdownRequest": {},
+    "vllm.ShutdownResponse": {},
     # rlserve's own package.
     "rlserve.v1.WeightVersionSpan": {
         "weight_version": (1, "string"),
@@ -246,7 +260,7 @@ ONEOFS = {
 }
 
 ENUMS = {
-    "vllm.MediaItem.Modality": {
+    "vllm.Modality": {
         "MODALITY_UNSPECIFIED": 0,
         "MODALITY_IMAGE": 1,
         "MODALITY_VIDEO": 2,
@@ -256,12 +270,15 @@ ENUMS = {
     "vllm.PauseMode": {"PAUSE_MODE_UNSPECIFIED": 0, "PAUSE_MODE_ABORT": 1, "PAUSE_MODE_WAIT": 2, "PAUSE_MODE_KEEP": 3},
 }
 
-RESERVED = {"vllm.ServerInfo": {10}, "vllm.FinishInfo": {7}}
+RESERVED = {"vllm.FinishInfo": {7}}
 
 _CONTROL_UNARY = [
     ("GetServerInfo", "GetServerInfoRequest", "ServerInfo"),
     ("GetModelInfo", "GetModelInfoRequest", "ModelInfo"),
     ("Abort", "AbortRequest", "AbortResponse"),
+    ("LoadLora", "LoadLoraRequest", "LoadLoraResponse"),
+    ("UnloadLora", "UnloadLoraRequest", "UnloadLoraResponse"),
+    ("ListLoras", "ListLorasRequest", "ListLorasResponse"),
     ("GetKvEventSources", "GetKvEventSourcesRequest", "GetKvEventSourcesResponse"),
 ] + [
     (rpc, f"{rpc}Request", f"{rpc}Response")
@@ -279,8 +296,25 @@ _CONTROL_UNARY = [
         "FinishWeightUpdate",
         "UpdateWeightVersion",
         "GetWeightVersion",
+        "Shutdown",
     )
 ]
+# The RL part of vllm.Control, also served as vllm.RlControl (the proposed split).
+_RL_CONTROL = (
+    "PauseGeneration",
+    "ResumeGeneration",
+    "IsPaused",
+    "Sleep",
+    "WakeUp",
+    "IsSleeping",
+    "InitWeightTransferEngine",
+    "StartWeightUpdate",
+    "StartDraftWeightUpdate",
+    "UpdateWeights",
+    "FinishWeightUpdate",
+    "UpdateWeightVersion",
+    "GetWeightVersion",
+)
 
 # service -> {rpc: (request, response, server_streaming)}
 SERVICES = {
@@ -290,8 +324,10 @@ SERVICES = {
     },
     "vllm.Control": {rpc: (f"vllm.{req}", f"vllm.{resp}", False) for rpc, req, resp in _CONTROL_UNARY},
 }
+SERVICES["vllm.Generate"] = SERVICES["vllm.Inference"]  # the name before vLLM 0.27
+SERVICES["vllm.RlControl"] = {rpc: SERVICES["vllm.Control"][rpc] for rpc in _RL_CONTROL}
 
-FILES = [inference_pb2.DESCRIPTOR, control_pb2.DESCRIPTOR, rlserve_pb2.DESCRIPTOR]
+FILES = [inference_pb2.DESCRIPTOR, control_pb2.DESCRIPTOR, aliases_pb2.DESCRIPTOR, rlserve_pb2.DESCRIPTOR]
 _SCALARS = {
     getattr(FD, name): name[len("TYPE_") :].lower()
     for name in dir(FD)

@@ -6,6 +6,7 @@ same examples every time; `RLSERVE_FUZZ_EXAMPLES` scales the count for a longer 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from dataclasses import replace
 
@@ -144,6 +145,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiv
 # value or a ProtocolError / InvalidRequest), so no malformed payload reaches the workers.
 
 
+@functools.cache
+def _parsing_transport(cls):
+    """A transport for two workers whose parsers need no engine (one for every example)."""
+    return cls(None, None, 2)
+
+
 @fuzz_settings(2000)
 @given(raw=st.one_of(json_payload("init_info_json"), json_payload("update_info_json")))
 def test_fuzz_transfer_payload_parsers(raw):
@@ -151,7 +158,7 @@ def test_fuzz_transfer_payload_parsers(raw):
     from rlserve.errors import InvalidRequest
     from rlserve.payloads import parse_json
 
-    transport = GlooTransport.__new__(GlooTransport)  # the parsers need no engine
+    transport = _parsing_transport(GlooTransport)
     try:
         value = parse_json(raw, "payload", ("max_transfer_info_bytes", 1 << 20))
     except InvalidRequest:

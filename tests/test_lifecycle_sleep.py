@@ -29,6 +29,7 @@ class SleepCapableEngine:
     transport = None
     monitor = _Monitor()
     weight_dtype = "float32"
+    max_loaded_loras = 0
 
     def __init__(self, *, sleep_mode: bool = True) -> None:
         self.calls: list[tuple] = []

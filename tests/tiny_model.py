@@ -56,3 +56,36 @@ def make_tiny_model(path: Path) -> Path:
         model = LlamaForCausalLM(config).to(getattr(torch, DTYPE_NAME))
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def make_tiny_lora(path: Path, seed: int, rank: int = 8, scale: float = 0.5) -> Path:
+    """A PEFT LoRA adapter for the tiny model on q_proj and v_proj with seeded random A and B
+    (B non-zero, so it changes outputs), as vLLM loads it from disk."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    q_out, v_out = NUM_ATTENTION_HEADS * HEAD_DIM, NUM_KEY_VALUE_HEADS * HEAD_DIM
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(NUM_HIDDEN_LAYERS):
+        for module, out in (("q_proj", q_out), ("v_proj", v_out)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, HIDDEN_SIZE, generator=generator) * scale
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=generator) * scale
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"],
+        "bias": "none",
+        "base_model_name_or_path": "tiny",
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path

@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="serve Prometheus metrics (rlserve_* and vLLM's vllm:*) at http://HOST:PORT/metrics",
     )
+    s.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (Control/LoadLora)")
+    s.add_argument("--max-loras", type=int, default=_default(_ENGINE, "max_loras"), help="adapters per batch")
+    s.add_argument("--max-lora-rank", type=int, default=_default(_ENGINE, "max_lora_rank"))
     s.add_argument(
         "--disable-log-stats",
         action="store_true",
@@ -154,6 +157,9 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         kv_cache_gib=args.kv_cache_gib,
         hang_timeout_s=args.engine_hang_timeout_s,
         log_stats=not args.disable_log_stats,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
         is_default_model=is_default_model,
     )
     return ServeConfig(

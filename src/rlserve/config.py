@@ -34,6 +34,10 @@ class EngineConfig:
     hang_timeout_s: float = 60.0
     # vLLM's scheduler stats: the figures of `GetLoad` and vLLM's own `vllm:` metrics.
     log_stats: bool = True
+    # LoRA adapters: off unless enabled; max_loras adapters per batch, up to max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
     # `model` is where the default model is converted to; the server converts it if needed.
     is_default_model: bool = False
     extra_engine_args: dict[str, object] = field(default_factory=dict)
@@ -53,6 +57,8 @@ class EngineConfig:
             raise ValueError("kv_cache_gib must be positive")
         if self.hang_timeout_s <= 0:
             raise ValueError("hang_timeout_s must be positive")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be positive")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
 

@@ -110,3 +110,11 @@ class NotAllowed(RlserveError):
 class CommitFailed(RlserveError):
     """Loading staged weights into the model failed half way; the served weights are then
     inconsistent until a complete update succeeds. Not a client mistake: INTERNAL."""
+
+
+class NotFound(RlserveError):
+    """The named thing (a LoRA adapter) does not exist here."""
+
+
+class NameTaken(ConcurrentChange):
+    """A name already stands for other content (a LoRA adapter); unload it first."""

@@ -109,6 +109,9 @@ class GenerateParams:
     kv_transfer_params: Mapping[str, object] | None = None
     truncate_prompt_tokens: int = 0
     priority: int = 0
+    lora_name: str = ""  # empty: the base model
+    # Apply the engine's configured watermark (vLLM's SamplingParams.watermarking); None: its default.
+    watermarking: bool | None = None
     native_sampling_params: Mapping[str, object] | None = None
     is_stream: bool = False
 
@@ -210,6 +213,8 @@ class ServerInfo:
     max_running_requests: int
     max_batched_tokens: int
     rl_capabilities: RlCapabilities
+    max_loras: int = 0  # 0: LoRA is off
+    effective_attention_block_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +225,7 @@ class ModelInfo:
     supports_text_input: bool
     supports_token_ids_input: bool
     supports_multimodal: bool
+    supports_lora: bool = False
     reasoning_parser: str = ""
     tool_call_parser: str = ""
 
@@ -236,6 +242,16 @@ class KvEventSource:
     buffer_steps: int = 0
     hwm: int = 0
     max_queue_size: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """A LoRA adapter loaded from disk: its engine id is unique for its content."""
+
+    lora_id: int
+    lora_name: str
+    source_path: str
+    digest: str = ""  # of the adapter's files when it was loaded
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,12 +18,12 @@ from typing import Any
 import vllm
 from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
 from vllm.exceptions import VLLMClientError
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from rlserve import __version__
 from rlserve.config import EngineConfig
 from rlserve.engine.liveness import EngineMonitor
 from rlserve.engine.load import LoadBoard
@@ -31,12 +31,13 @@ from rlserve.engine.outputs import OutputTranslator, aborted_before_start
 from rlserve.engine.process_group import engine_in_own_group
 from rlserve.engine.sampling import ModelLimits, build_prompt_token_ids, build_sampling_params
 from rlserve.engine.transport import WeightTransport, make_transport
-from rlserve.errors import EngineUnavailable, InvalidRequest, UnknownModel
+from rlserve.errors import CapabilityMissing, EngineUnavailable, InvalidRequest, UnknownModel
 from rlserve.types import (
     EngineStatus,
     GenerateChunk,
     GenerateParams,
     KvEventSource,
+    LoraAdapter,
     ModelInfo,
     ParallelismInfo,
     PauseMode,
@@ -79,6 +80,8 @@ def engine_args(config: EngineConfig) -> AsyncEngineArgs:
         kwargs["max_num_seqs"] = config.max_num_seqs
     if config.weight_transfer_backend:
         kwargs["weight_transfer_config"] = {"backend": config.weight_transfer_backend}
+    if config.enable_lora:
+        kwargs.update(enable_lora=True, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
     return AsyncEngineArgs(**kwargs)
 
 
@@ -90,6 +93,7 @@ class PreparedRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    lora: LoraAdapter | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -150,13 +154,13 @@ class EngineAdapter:
 
     # Generation ---------------------------------------------------------------------------
 
-    async def prepare(self, params: GenerateParams) -> PreparedRequest:
+    async def prepare(self, params: GenerateParams, lora: LoraAdapter | None = None) -> PreparedRequest:
         """Everything the engine would refuse is refused here, before the request is held or
         sent: InvalidRequest / UnknownModel naming the field."""
         self._check_model(params.model)
         prompt_ids = await build_prompt_token_ids(params, self._tokenizer, self._limits)
         sampling = build_sampling_params(params, len(prompt_ids), self._limits)
-        return PreparedRequest(params, params.request_id or uuid.uuid4().hex, prompt_ids, sampling)
+        return PreparedRequest(params, params.request_id or uuid.uuid4().hex, prompt_ids, sampling, lora)
 
     async def submit(self, request: PreparedRequest) -> RequestStream:
         """Hand the request to the engine; it runs from now on, also while nobody reads."""
@@ -168,7 +172,11 @@ class EngineAdapter:
         try:
             # Sending never waits on the engine, so a hung engine cannot hold this call.
             collector = await self._llm.add_request(
-                request.request_id, prompt, request.sampling, priority=request.params.priority
+                request.request_id,
+                prompt,
+                request.sampling,
+                priority=request.params.priority,
+                lora_request=_lora_request(request.lora),
             )
         except VLLMClientError as e:
             raise InvalidRequest("", str(e)) from e
@@ -261,6 +269,35 @@ class EngineAdapter:
 
     # Description --------------------------------------------------------------------------
 
+    # LoRA adapters: called only by the lifecycle controller, under its lock. -----------------
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self._llm.vllm_config.lora_config is not None
+
+    @property
+    def max_loaded_loras(self) -> int:
+        """How many adapters the engine keeps loaded (its CPU cache); 0 without LoRA."""
+        lora = self._llm.vllm_config.lora_config
+        return (lora.max_cpu_loras or lora.max_loras) if lora is not None else 0
+
+    def require_lora(self) -> None:
+        if not self.lora_enabled:
+            raise CapabilityMissing("LoRA is off on this server: start it with --enable-lora")
+
+    async def add_lora(self, adapter: LoraAdapter) -> None:
+        """Load the adapter into the engine; InvalidRequest with vLLM's reason if it cannot."""
+        self.require_lora()
+        try:
+            await self.monitor.guard(self._llm.add_lora(_lora_request(adapter)))
+        except (EngineUnavailable, EngineDeadError):
+            raise
+        except Exception as e:  # vLLM reports a bad adapter (rank, modules, files) as it finds it
+            raise InvalidRequest("source_path", f"vLLM cannot load this adapter: {e}") from e
+
+    async def remove_lora(self, adapter: LoraAdapter) -> None:
+        await self.monitor.guard(self._llm.remove_lora(adapter.lora_id))
+
     def _check_model(self, model: str) -> None:
         if model and model not in self._config.served_names:
             raise UnknownModel(model, self._config.served_names)
@@ -288,6 +325,8 @@ class EngineAdapter:
             max_running_requests=sc.max_num_seqs,
             max_batched_tokens=sc.max_num_batched_tokens,
             rl_capabilities=self.capabilities(),
+            max_loras=vc.lora_config.max_loras if vc.lora_config is not None else 0,
+            effective_attention_block_size=vc.cache_config.block_size,
         )
 
     @property
@@ -317,6 +356,7 @@ class EngineAdapter:
             supports_text_input=not mc.skip_tokenizer_init,
             supports_token_ids_input=True,
             supports_multimodal=mc.is_multimodal_model,
+            supports_lora=self.lora_enabled,
         )
 
     def kv_event_sources(self) -> tuple[KvEventSource, ...]:
@@ -337,6 +377,12 @@ class EngineAdapter:
                 )
             )
         return tuple(sources)
+
+
+def _lora_request(adapter: LoraAdapter | None) -> LoRARequest | None:
+    if adapter is None:
+        return None
+    return LoRARequest(adapter.lora_name, adapter.lora_id, adapter.source_path)
 
 
 class RequestStream:

@@ -146,6 +146,8 @@ def _structured_kwargs(params: GenerateParams, num_prompt_tokens: int, limits: M
         "skip_reading_prefix_cache": True if params.bypass_prefix_cache else None,
     }
     kwargs.update(_logprob_kwargs(params))
+    if params.watermarking is not None:
+        kwargs["watermarking"] = params.watermarking
     if params.structured_output is not None:
         kwargs["structured_outputs"] = _structured_output(params.structured_output)
     if params.kv_transfer_params is not None:

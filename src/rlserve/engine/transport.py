@@ -172,6 +172,15 @@ class GlooTransport(WeightTransport):
         return TransportInit(info.timeout_s, detail, info.to_json(), info.master_address)
 
     def parse_chunk(self, raw: Any) -> Chunk:
+        if isinstance(raw, list):
+            # vLLM's list form, one entry per worker: every worker receives the same broadcast.
+            if len(raw) != self._workers.num_workers or any(entry != raw[0] for entry in raw):
+                raise InvalidRequest(
+                    "update_info_json",
+                    f"the list form needs one entry per worker ({self._workers.num_workers}), all equal: "
+                    "rlserve_gloo sends every worker the same chunk",
+                )
+            raw = raw[0]
         try:
             chunk = ChunkInfo.parse(raw)
         except ProtocolError as e:

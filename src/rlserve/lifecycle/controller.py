@@ -14,8 +14,16 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from rlserve.errors import CapabilityMissing, EngineUnavailable, PauseDraining, VersionMismatch, WrongState
+from rlserve.errors import (
+    CapabilityMissing,
+    EngineUnavailable,
+    InvalidRequest,
+    PauseDraining,
+    VersionMismatch,
+    WrongState,
+)
 from rlserve.lifecycle.gate import GenerationGate, Ticket
+from rlserve.lifecycle.loras import LoraRegistry, adapter_digest, check_source
 from rlserve.lifecycle.mutation import survives_caller_cancellation
 from rlserve.lifecycle.owner import Observer, StateOwner
 from rlserve.lifecycle.state import (
@@ -28,7 +36,19 @@ from rlserve.lifecycle.state import (
     is_stronger,
 )
 from rlserve.lifecycle.weight_updates import WeightUpdates
-from rlserve.types import MEMORY_TAGS, EngineLoad, GenerateChunk, GenerateParams, PauseMode, PausePhase, SleepTag
+from rlserve.types import (
+    MEMORY_TAGS,
+    EngineLoad,
+    GenerateChunk,
+    GenerateParams,
+    LoraAdapter,
+    PauseMode,
+    PausePhase,
+    SleepTag,
+)
+
+# A LoRA adapter's name, like a request id.
+MAX_LORA_NAME_BYTES = 256
 
 if TYPE_CHECKING:
     from rlserve.engine.adapter import EngineAdapter
@@ -56,6 +76,7 @@ class LifecycleController:
         )
         # The WAIT drain in progress, if any (phase PAUSING, mode WAIT), and whether the engine
         # still has to be paused once it is over (with this clear_cache) or paused itself.
+        self._loras = LoraRegistry(engine.max_loaded_loras)
         self._drain: asyncio.Future[None] | None = None
         self._drain_then_pause: bool | None = None
         engine.monitor.on_dead(lambda reason: self._gate.fail_all(EngineUnavailable(reason)))
@@ -81,8 +102,20 @@ class LifecycleController:
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenerateChunk]:
         """Validate, hold while paused, hand to the engine, stream its outputs. Every request
-        ends with a terminal chunk or an error, also one aborted while held."""
-        request = await self._engine.prepare(params)
+        ends with a terminal chunk or an error, also one aborted while held. A request naming
+        a LoRA adapter keeps it loaded until it ends."""
+        if not params.lora_name:
+            async for chunk in self._generate(params, None):
+                yield chunk
+            return
+        if not self._engine.lora_enabled:
+            raise InvalidRequest("lora_name", "LoRA adapters are not enabled on this server (--enable-lora)")
+        with self._loras.using(params.lora_name) as lora:
+            async for chunk in self._generate(params, lora):
+                yield chunk
+
+    async def _generate(self, params: GenerateParams, lora: LoraAdapter | None) -> AsyncIterator[GenerateChunk]:
+        request = await self._engine.prepare(params, lora)
         ticket = Ticket(params.request_id, request.num_bytes)
         if not await self._gate.admit(ticket):
             for chunk in self._engine.aborted_before_start(request):
@@ -107,6 +140,36 @@ class LifecycleController:
         """Shutdown: every held request and every request in the engine ends ABORTED now."""
         self._gate.abort_all()
         await self._engine.abort_all()
+
+    # LoRA adapters ---------------------------------------------------------------------
+
+    async def load_lora(self, name: str, source_path: str) -> LoraAdapter:
+        """Load an adapter from disk under `name` (see LoraRegistry for what a name means)."""
+        self._engine.require_lora()
+        path = check_source(name, source_path, MAX_LORA_NAME_BYTES)
+        digest = await asyncio.to_thread(adapter_digest, path)
+        async with self._owner.lock:
+            with self._owner.audited("load_lora", f"{name[:64]!r} from {source_path[:128]!r}") as outcome:
+                existing = self._loras.existing(name, source_path, digest)
+                if existing is not None:
+                    outcome.append("noop")
+                    return existing
+                adapter = self._loras.new(name, source_path, digest)
+                await self._engine.add_lora(adapter)
+                self._loras.add(adapter)
+                return adapter
+
+    async def unload_lora(self, name: str) -> LoraAdapter:
+        self._engine.require_lora()
+        async with self._owner.lock:
+            with self._owner.audited("unload_lora", f"{name[:64]!r}"):
+                adapter = self._loras.removable(name)
+                await self._engine.remove_lora(adapter)
+                self._loras.remove(name)
+                return adapter
+
+    def loras(self) -> tuple[LoraAdapter, ...]:
+        return self._loras.adapters()
 
     # Pause and resume -------------------------------------------------------------------
 

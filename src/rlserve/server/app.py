@@ -49,6 +49,8 @@ class RlserveServer:
         self._health = health.aio.HealthServicer()
         self._health_task: asyncio.Task[None] | None = None
         self.metrics = Metrics()
+        # Set by Control/Shutdown; `serve` then stops as on SIGTERM.
+        self.shutdown_requested = asyncio.Event()
         self._metrics_endpoint: MetricsEndpoint | None = None
         security = config.security
         control = config.control_address or config.address
@@ -56,7 +58,7 @@ class RlserveServer:
         self.credentials = listeners.credential_source(security)
         servicers = listeners.Servicers(
             inference=InferenceServicer(self.slot, config.limits),
-            control=ControlServicer(self.slot, config.limits),
+            control=ControlServicer(self.slot, config.limits, on_shutdown=self._request_shutdown),
             lifecycle=LifecycleServicer(self.slot, insecure_control=self.insecure_control),
             health=self._health,
         )
@@ -130,7 +132,8 @@ class RlserveServer:
             now = _inference_serving(state)
             if now != serving:
                 serving = now
-                await self._health.set(listeners.INFERENCE_SERVICE, SERVING if now else NOT_SERVING)
+                for name in listeners.INFERENCE_SERVICES:
+                    await self._health.set(name, SERVING if now else NOT_SERVING)
 
     def _engine_died(self, reason: str) -> None:
         self.metrics.engine_died()
@@ -143,6 +146,10 @@ class RlserveServer:
         lifecycle = self.slot.lifecycle_or_none
         if lifecycle is not None:
             lifecycle.record(operation, detail, outcome)
+
+    def _request_shutdown(self) -> None:
+        # Shortly after, so that the RPC that asked gets its answer first.
+        asyncio.get_running_loop().call_later(0.1, self.shutdown_requested.set)
 
     def reload_credentials(self) -> None:
         """SIGHUP: re-read the tokens file; a file that does not parse keeps the old tokens."""
@@ -190,10 +197,11 @@ def _inference_serving(state: LifecycleState) -> bool:
 
 
 async def serve(config: ServeConfig) -> None:
-    """Run until SIGINT or SIGTERM, then shut down gracefully; SIGHUP re-reads the tokens."""
+    """Run until SIGINT, SIGTERM or Control/Shutdown, then shut down gracefully; SIGHUP
+    re-reads the tokens."""
     server = RlserveServer(config)
     await server.start()
-    stop = asyncio.Event()
+    stop = server.shutdown_requested
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

@@ -47,9 +47,13 @@ RULES: dict[str, Role] = {
     "/vllm.Control/GetServerInfo": Role.READ,
     "/vllm.Control/GetModelInfo": Role.READ,
     "/vllm.Control/GetKvEventSources": Role.READ,
+    "/vllm.Control/LoadLora": Role.ADMIN,
+    "/vllm.Control/UnloadLora": Role.ADMIN,
+    "/vllm.Control/ListLoras": Role.READ,
     "/vllm.Control/IsPaused": Role.READ,
     "/vllm.Control/IsSleeping": Role.READ,
     "/vllm.Control/GetWeightVersion": Role.READ,
+    "/vllm.Control/Shutdown": Role.ADMIN,
     "/vllm.Control/Abort": Role.ADMIN,
     "/vllm.Control/PauseGeneration": Role.ADMIN,
     "/vllm.Control/ResumeGeneration": Role.ADMIN,
@@ -73,7 +77,18 @@ INFERENCE_CONTROL_READS = (
     "/vllm.Control/GetServerInfo",
     "/vllm.Control/GetModelInfo",
     "/vllm.Control/GetKvEventSources",
+    "/vllm.Control/ListLoras",
 )
+
+
+# Older and proposed service names (api/vllm/aliases.proto): each method is its canonical
+# method, for authorization and for where it is served.
+ALIASES = {"vllm.Generate": "vllm.Inference", "vllm.RlControl": "vllm.Control"}
+
+
+def canonical(method: str) -> str:
+    service, _, name = method.strip("/").partition("/")
+    return f"/{ALIASES.get(service, service)}/{name}"
 
 
 def rule_for(method: str) -> Role | str | None:
@@ -81,12 +96,13 @@ def rule_for(method: str) -> Role | str | None:
     service = method.strip("/").partition("/")[0]
     if service in PUBLIC_SERVICES:
         return PUBLIC
-    return RULES.get(method)
+    return RULES.get(canonical(method))
 
 
 def served_here(method: str, listener: Listener) -> bool:
     if listener is Listener.ALL or rule_for(method) == PUBLIC:
         return True
+    method = canonical(method)
     if listener is Listener.INFERENCE:
         return method.startswith("/vllm.Inference/") or method in INFERENCE_CONTROL_READS
     return not method.startswith("/vllm.Inference/")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 
 from rlserve.api.vllm import control_pb2 as pb
@@ -16,9 +18,11 @@ Ctx = grpc.aio.ServicerContext
 
 
 class ControlServicer(control_pb2_grpc.ControlServicer):
-    def __init__(self, slot: EngineSlot, limits: RequestLimits) -> None:
+    def __init__(self, slot: EngineSlot, limits: RequestLimits, on_shutdown: Callable[[], None] = lambda: None) -> None:
+        """`on_shutdown()` starts a graceful shutdown (after this RPC has answered)."""
         self._slot = slot
         self._limits = limits
+        self._on_shutdown = on_shutdown
 
     @translate_errors
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: Ctx) -> pb.ServerInfo:
@@ -32,6 +36,20 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
         await self._slot.lifecycle.abort(convert.abort_ids(request, self._limits))
         return pb.AbortResponse()
+
+    @translate_errors
+    async def LoadLora(self, request: pb.LoadLoraRequest, context: Ctx) -> pb.LoadLoraResponse:
+        adapter = await self._slot.lifecycle.load_lora(request.lora_name, request.source_path)
+        return pb.LoadLoraResponse(adapter=convert.lora_adapter(adapter))
+
+    @translate_errors
+    async def UnloadLora(self, request: pb.UnloadLoraRequest, context: Ctx) -> pb.UnloadLoraResponse:
+        adapter = await self._slot.lifecycle.unload_lora(request.lora_name)
+        return pb.UnloadLoraResponse(adapter=convert.lora_adapter(adapter))
+
+    @translate_errors
+    async def ListLoras(self, request: pb.ListLorasRequest, context: Ctx) -> pb.ListLorasResponse:
+        return pb.ListLorasResponse(adapters=[convert.lora_adapter(a) for a in self._slot.lifecycle.loras()])
 
     @translate_errors
     async def GetKvEventSources(self, request: pb.GetKvEventSourcesRequest, context: Ctx):
@@ -98,3 +116,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     async def FinishWeightUpdate(self, request: pb.FinishWeightUpdateRequest, context: Ctx):
         await self._slot.lifecycle.weights.finish(convert.finish_version(request))
         return pb.FinishWeightUpdateResponse()
+
+    @translate_errors
+    async def Shutdown(self, request: pb.ShutdownRequest, context: Ctx) -> pb.ShutdownResponse:
+        lifecycle = self._slot.lifecycle_or_none
+        if lifecycle is not None:
+            lifecycle.record("shutdown", "requested over Control/Shutdown", "ok")
+        self._on_shutdown()
+        return pb.ShutdownResponse()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from google.protobuf import json_format, struct_pb2
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from rlserve import types
 from rlserve.api.rlserve.v1 import lifecycle_pb2, rlserve_pb2
@@ -65,9 +66,15 @@ def generate_params(
         kv_transfer_params=_struct(kv.kv_transfer_params) if kv.HasField("kv_transfer_params") else None,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         priority=req.priority,
-        native_sampling_params=_native_sampling_params(req.native_sampling_params_json, limits),
+        lora_name=req.lora_name,
+        watermarking=req.watermarking if req.HasField("watermarking") else None,
+        native_sampling_params=_native_sampling_params(_native_json(req), limits),
         is_stream=is_stream,
     )
+
+
+# Where Dynamo's vendored proto carries native_sampling_params_json.
+LEGACY_NATIVE_FIELD = 16
 
 
 def _refuse_unsupported(req: inference_pb2.GenerateRequest) -> None:
@@ -75,8 +82,6 @@ def _refuse_unsupported(req: inference_pb2.GenerateRequest) -> None:
         raise InvalidRequest("session_id", "sessions are not supported by this server")
     if req.media:
         raise InvalidRequest("media", "multimodal input is not supported by this server")
-    if req.lora_name:
-        raise InvalidRequest("lora_name", "LoRA adapters are not enabled on this server")
     if req.kv.HasField("ec_transfer_params"):
         raise InvalidRequest("kv.ec_transfer_params", "encoder-cache transfer is not configured")
 
@@ -87,6 +92,7 @@ def _check_limits(req: inference_pb2.GenerateRequest, limits: RequestLimits) -> 
     checks: list[tuple[str, int, str, str, int]] = [
         ("request_id", _utf8_len(req.request_id), "bytes", "max_id_bytes", limits.max_id_bytes),
         ("model", _utf8_len(req.model), "bytes", "max_id_bytes", limits.max_id_bytes),
+        ("lora_name", _utf8_len(req.lora_name), "bytes", "max_id_bytes", limits.max_id_bytes),
         ("kv.cache_salt", _utf8_len(req.kv.cache_salt), "bytes", "max_id_bytes", limits.max_id_bytes),
         ("text", _utf8_len(req.text), "bytes", "max_prompt_text_bytes", limits.max_prompt_text_bytes),
         ("token_ids", len(req.token_ids.ids), "ids", "max_prompt_token_ids", limits.max_prompt_token_ids),
@@ -178,6 +184,18 @@ def _struct(s: struct_pb2.Struct) -> dict[str, Any]:
     return json_format.MessageToDict(s)
 
 
+def _native_json(req: inference_pb2.GenerateRequest) -> bytes:
+    """Field 1016, or bytes at field 16 from a client built on Dynamo's vendored proto (it has
+    native_sampling_params_json there; upstream's 16 is the bool `watermarking`, so such bytes
+    arrive as an unknown field of the wrong wire type)."""
+    legacy = [f.data for f in UnknownFieldSet(req) if f.field_number == LEGACY_NATIVE_FIELD and f.wire_type == 2]
+    if legacy and req.native_sampling_params_json:
+        raise InvalidRequest("native_sampling_params_json", "given both at field 16 (Dynamo's) and at 1016")
+    if len(legacy) > 1:
+        raise InvalidRequest("native_sampling_params_json", "given more than once at field 16")
+    return legacy[0] if legacy else req.native_sampling_params_json
+
+
 def _native_sampling_params(raw: bytes, limits: RequestLimits) -> dict[str, Any] | None:
     """The JSON object (its values are type-checked by the engine adapter against vLLM's own
     schema); only the server's own limits are applied here."""
@@ -261,6 +279,8 @@ def server_info(info: types.ServerInfo) -> control_pb2.ServerInfo:
         total_kv_blocks=info.total_kv_blocks,
         max_running_requests=info.max_running_requests,
         max_batched_tokens=info.max_batched_tokens,
+        max_loras=info.max_loras,
+        effective_attention_block_size=info.effective_attention_block_size,
         rl_capabilities=_capabilities(caps),
     )
 
@@ -281,6 +301,7 @@ def model_info(info: types.ModelInfo) -> control_pb2.ModelInfo:
         served_model_aliases=list(info.served_model_aliases),
         supports_text_input=info.supports_text_input,
         supports_token_ids_input=info.supports_token_ids_input,
+        supports_lora=info.supports_lora,
         supports_multimodal=info.supports_multimodal,
         reasoning_parser=info.reasoning_parser,
         tool_call_parser=info.tool_call_parser,
@@ -431,3 +452,9 @@ def load_report(engines: tuple[types.EngineLoad, ...], num_held: int) -> lifecyc
         )
     report.num_outstanding_requests = num_held + sum(e.num_running_requests + e.num_waiting_requests for e in engines)
     return report
+
+
+def lora_adapter(adapter: types.LoraAdapter) -> control_pb2.LoraAdapter:
+    return control_pb2.LoraAdapter(
+        lora_id=adapter.lora_id, lora_name=adapter.lora_name, source_path=adapter.source_path
+    )

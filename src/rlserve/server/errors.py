@@ -28,6 +28,7 @@ STATUS_BY_ERROR: tuple[tuple[type[errors.RlserveError], grpc.StatusCode], ...] =
     (errors.TransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.NotAllowed, grpc.StatusCode.PERMISSION_DENIED),
+    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
 )
 
 

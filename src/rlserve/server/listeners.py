@@ -14,7 +14,14 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2, lifecycle_pb2_grpc
-from rlserve.api.vllm import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
+from rlserve.api.vllm import (
+    aliases_pb2,
+    aliases_pb2_grpc,
+    control_pb2,
+    control_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+)
 from rlserve.config import SecurityConfig, ServeConfig
 from rlserve.server.access import AccessInterceptor
 from rlserve.server.auth import CredentialSource, Listener
@@ -22,7 +29,12 @@ from rlserve.server.auth import CredentialSource, Listener
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 CONTROL_SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
 LIFECYCLE_SERVICE = lifecycle_pb2.DESCRIPTOR.services_by_name["Lifecycle"].full_name
-SERVICE_NAMES = (INFERENCE_SERVICE, CONTROL_SERVICE, LIFECYCLE_SERVICE)
+# Served by the same servicers (see auth.ALIASES).
+GENERATE_ALIAS = aliases_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
+RL_CONTROL_ALIAS = aliases_pb2.DESCRIPTOR.services_by_name["RlControl"].full_name
+# vllm.Inference under both its names: NOT_SERVING in health while generation is paused.
+INFERENCE_SERVICES = (INFERENCE_SERVICE, GENERATE_ALIAS)
+SERVICE_NAMES = (*INFERENCE_SERVICES, CONTROL_SERVICE, RL_CONTROL_ALIAS, LIFECYCLE_SERVICE)
 
 
 @dataclass(frozen=True)
@@ -88,13 +100,15 @@ def build(
         names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
         if kind is not Listener.CONTROL:
             inference_pb2_grpc.add_InferenceServicer_to_server(servicers.inference, server)
-            names.append(INFERENCE_SERVICE)
+            aliases_pb2_grpc.add_GenerateServicer_to_server(servicers.inference, server)
+            names += INFERENCE_SERVICES
         # On the inference listener the interceptor lets only Control's reads through.
         control_pb2_grpc.add_ControlServicer_to_server(servicers.control, server)
         names.append(CONTROL_SERVICE)
         if kind is not Listener.INFERENCE:
+            aliases_pb2_grpc.add_RlControlServicer_to_server(servicers.control, server)
             lifecycle_pb2_grpc.add_LifecycleServicer_to_server(servicers.lifecycle, server)
-            names.append(LIFECYCLE_SERVICE)
+            names += [RL_CONTROL_ALIAS, LIFECYCLE_SERVICE]
         health_pb2_grpc.add_HealthServicer_to_server(servicers.health, server)
         reflection.enable_server_reflection(names, server)
         listenings.append(Listening(address, kind, server))

@@ -18,12 +18,20 @@ PAUSE_MODE_ABORT: PauseMode
 PAUSE_MODE_WAIT: PauseMode
 PAUSE_MODE_KEEP: PauseMode
 
+class ShutdownRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShutdownResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("engine_version", "api_version", "instance_id", "parallelism", "max_model_len", "kv_block_size", "total_kv_blocks", "max_running_requests", "max_batched_tokens", "rl_capabilities")
+    __slots__ = ("engine_version", "api_version", "instance_id", "parallelism", "max_model_len", "kv_block_size", "total_kv_blocks", "max_running_requests", "max_batched_tokens", "max_loras", "rl_capabilities", "effective_attention_block_size")
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -33,7 +41,9 @@ class ServerInfo(_message.Message):
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     RL_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_ATTENTION_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     engine_version: str
     api_version: str
     instance_id: str
@@ -43,8 +53,10 @@ class ServerInfo(_message.Message):
     total_kv_blocks: int
     max_running_requests: int
     max_batched_tokens: int
+    max_loras: int
     rl_capabilities: RlCapabilities
-    def __init__(self, engine_version: _Optional[str] = ..., api_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., parallelism: _Optional[_Union[ParallelismInfo, _Mapping]] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., rl_capabilities: _Optional[_Union[RlCapabilities, _Mapping]] = ...) -> None: ...
+    effective_attention_block_size: int
+    def __init__(self, engine_version: _Optional[str] = ..., api_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., parallelism: _Optional[_Union[ParallelismInfo, _Mapping]] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_loras: _Optional[int] = ..., rl_capabilities: _Optional[_Union[RlCapabilities, _Mapping]] = ..., effective_attention_block_size: _Optional[int] = ...) -> None: ...
 
 class RlCapabilities(_message.Message):
     __slots__ = ("weight_transfer_enabled", "weight_transfer_backend", "sleep_mode_enabled", "draft_weight_updates_enabled")
@@ -81,12 +93,13 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "served_model_name", "served_model_aliases", "supports_text_input", "supports_token_ids_input", "supports_multimodal", "reasoning_parser", "tool_call_parser")
+    __slots__ = ("model_id", "served_model_name", "served_model_aliases", "supports_text_input", "supports_token_ids_input", "supports_lora", "supports_multimodal", "reasoning_parser", "tool_call_parser")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_ALIASES_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_TEXT_INPUT_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_TOKEN_IDS_INPUT_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_LORA_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_MULTIMODAL_FIELD_NUMBER: _ClassVar[int]
     REASONING_PARSER_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_PARSER_FIELD_NUMBER: _ClassVar[int]
@@ -95,10 +108,11 @@ class ModelInfo(_message.Message):
     served_model_aliases: _containers.RepeatedScalarFieldContainer[str]
     supports_text_input: bool
     supports_token_ids_input: bool
+    supports_lora: bool
     supports_multimodal: bool
     reasoning_parser: str
     tool_call_parser: str
-    def __init__(self, model_id: _Optional[str] = ..., served_model_name: _Optional[str] = ..., served_model_aliases: _Optional[_Iterable[str]] = ..., supports_text_input: _Optional[bool] = ..., supports_token_ids_input: _Optional[bool] = ..., supports_multimodal: _Optional[bool] = ..., reasoning_parser: _Optional[str] = ..., tool_call_parser: _Optional[str] = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., served_model_name: _Optional[str] = ..., served_model_aliases: _Optional[_Iterable[str]] = ..., supports_text_input: _Optional[bool] = ..., supports_token_ids_input: _Optional[bool] = ..., supports_lora: _Optional[bool] = ..., supports_multimodal: _Optional[bool] = ..., reasoning_parser: _Optional[str] = ..., tool_call_parser: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)
@@ -109,6 +123,52 @@ class AbortRequest(_message.Message):
 class AbortResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("lora_id", "lora_name", "source_path")
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_id: int
+    lora_name: str
+    source_path: str
+    def __init__(self, lora_id: _Optional[int] = ..., lora_name: _Optional[str] = ..., source_path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraRequest(_message.Message):
+    __slots__ = ("lora_name", "source_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    source_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., source_path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapter
+    def __init__(self, adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+
+class UnloadLoraRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapter
+    def __init__(self, adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+
+class ListLorasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLorasResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
 
 class GetKvEventSourcesRequest(_message.Message):
     __slots__ = ()

@@ -49,6 +49,21 @@ class ControlStub:
                 request_serializer=rlserve_dot_api_dot_vllm_dot_control__pb2.AbortRequest.SerializeToString,
                 response_deserializer=rlserve_dot_api_dot_vllm_dot_control__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/vllm.Control/LoadLora',
+                request_serializer=rlserve_dot_api_dot_vllm_dot_control__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=rlserve_dot_api_dot_vllm_dot_control__pb2.LoadLoraResponse.FromString,
+                _registered_method=True)
+        self.UnloadLora = channel.unary_unary(
+                '/vllm.Control/UnloadLora',
+                request_serializer=rlserve_dot_api_dot_vllm_dot_control__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=rlserve_dot_api_dot_vllm_dot_control__pb2.UnloadLoraResponse.FromString,
+                _registered_method=True)
+        self.ListLoras = channel.unary_unary(
+                '/vllm.Control/ListLoras',
+                request_serializer=rlserve_dot_api_dot_vllm_dot_control__pb2.ListLorasRequest.SerializeToString,
+                response_deserializer=rlserve_dot_api_dot_vllm_dot_control__pb2.ListLorasResponse.FromString,
+                _registered_method=True)
         self.GetKvEventSources = channel.unary_unary(
                 '/vllm.Control/GetKvEventSources',
                 request_serializer=rlserve_dot_api_dot_vllm_dot_control__pb2.GetKvEventSourcesRequest.SerializeToString,
@@ -119,6 +134,11 @@ class ControlStub:
                 request_serializer=rlserve_dot_api_dot_vllm_dot_control__pb2.GetWeightVersionRequest.SerializeToString,
                 response_deserializer=rlserve_dot_api_dot_vllm_dot_control__pb2.GetWeightVersionResponse.FromString,
                 _registered_method=True)
+        self.Shutdown = channel.unary_unary(
+                '/vllm.Control/Shutdown',
+                request_serializer=rlserve_dot_api_dot_vllm_dot_control__pb2.ShutdownRequest.SerializeToString,
+                response_deserializer=rlserve_dot_api_dot_vllm_dot_control__pb2.ShutdownResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -145,6 +165,36 @@ class ControlServicer:
         streams end with finish_reason ABORTED. Preconditions: none; unknown or already finished
         ids are ignored. Idempotent. Status: OK; INVALID_ARGUMENT beyond the server's limits
         (max_abort_ids, max_id_bytes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLora(self, request, context):
+        """Load a LoRA adapter (a PEFT directory on the server's disk) under `lora_name`; requests
+        then name it in GenerateRequest.lora_name. Loading the same name from the same unchanged
+        files again is OK and changes nothing; the same name for other files or changed contents
+        is ABORTED (unload it first): a name always means one set of weights. Status:
+        FAILED_PRECONDITION when the server runs without --enable-lora; INVALID_ARGUMENT for an
+        empty name, a path that is no adapter, or one vLLM cannot load (its reason);
+        RESOURCE_EXHAUSTED when as many adapters are loaded as the engine caches (--max-loras; one
+        evicted from there would be reloaded from its directory, whatever it holds by then).
+        Role admin.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLora(self, request, context):
+        """Unload an adapter. Status: NOT_FOUND for an unknown name; FAILED_PRECONDITION while
+        requests that use it are running (abort or wait for them). Role admin.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoras(self, request, context):
+        """The loaded adapters (empty without --enable-lora). Read-only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -299,6 +349,15 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Shutdown(self, request, context):
+        """Shut the server down gracefully, as SIGTERM does: health NOT_SERVING, in-flight requests
+        drain for --shutdown-grace-s (what is left just before it ends ends ABORTED), the engine
+        stops, the process exits 0. Answers OK first. Role admin when authentication is on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -316,6 +375,21 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=rlserve_dot_api_dot_vllm_dot_control__pb2.AbortRequest.FromString,
                     response_serializer=rlserve_dot_api_dot_vllm_dot_control__pb2.AbortResponse.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=rlserve_dot_api_dot_vllm_dot_control__pb2.LoadLoraRequest.FromString,
+                    response_serializer=rlserve_dot_api_dot_vllm_dot_control__pb2.LoadLoraResponse.SerializeToString,
+            ),
+            'UnloadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLora,
+                    request_deserializer=rlserve_dot_api_dot_vllm_dot_control__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=rlserve_dot_api_dot_vllm_dot_control__pb2.UnloadLoraResponse.SerializeToString,
+            ),
+            'ListLoras': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoras,
+                    request_deserializer=rlserve_dot_api_dot_vllm_dot_control__pb2.ListLorasRequest.FromString,
+                    response_serializer=rlserve_dot_api_dot_vllm_dot_control__pb2.ListLorasResponse.SerializeToString,
             ),
             'GetKvEventSources': grpc.unary_unary_rpc_method_handler(
                     servicer.GetKvEventSources,
@@ -386,6 +460,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.GetWeightVersion,
                     request_deserializer=rlserve_dot_api_dot_vllm_dot_control__pb2.GetWeightVersionRequest.FromString,
                     response_serializer=rlserve_dot_api_dot_vllm_dot_control__pb2.GetWeightVersionResponse.SerializeToString,
+            ),
+            'Shutdown': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shutdown,
+                    request_deserializer=rlserve_dot_api_dot_vllm_dot_control__pb2.ShutdownRequest.FromString,
+                    response_serializer=rlserve_dot_api_dot_vllm_dot_control__pb2.ShutdownResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -469,6 +548,87 @@ class Control:
             '/vllm.Control/Abort',
             rlserve_dot_api_dot_vllm_dot_control__pb2.AbortRequest.SerializeToString,
             rlserve_dot_api_dot_vllm_dot_control__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm.Control/LoadLora',
+            rlserve_dot_api_dot_vllm_dot_control__pb2.LoadLoraRequest.SerializeToString,
+            rlserve_dot_api_dot_vllm_dot_control__pb2.LoadLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm.Control/UnloadLora',
+            rlserve_dot_api_dot_vllm_dot_control__pb2.UnloadLoraRequest.SerializeToString,
+            rlserve_dot_api_dot_vllm_dot_control__pb2.UnloadLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoras(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm.Control/ListLoras',
+            rlserve_dot_api_dot_vllm_dot_control__pb2.ListLorasRequest.SerializeToString,
+            rlserve_dot_api_dot_vllm_dot_control__pb2.ListLorasResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -847,6 +1007,33 @@ class Control:
             '/vllm.Control/GetWeightVersion',
             rlserve_dot_api_dot_vllm_dot_control__pb2.GetWeightVersionRequest.SerializeToString,
             rlserve_dot_api_dot_vllm_dot_control__pb2.GetWeightVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shutdown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm.Control/Shutdown',
+            rlserve_dot_api_dot_vllm_dot_control__pb2.ShutdownRequest.SerializeToString,
+            rlserve_dot_api_dot_vllm_dot_control__pb2.ShutdownResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,8 +9,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Modality(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODALITY_UNSPECIFIED: _ClassVar[Modality]
+    MODALITY_IMAGE: _ClassVar[Modality]
+    MODALITY_VIDEO: _ClassVar[Modality]
+    MODALITY_AUDIO: _ClassVar[Modality]
+MODALITY_UNSPECIFIED: Modality
+MODALITY_IMAGE: Modality
+MODALITY_VIDEO: Modality
+MODALITY_AUDIO: Modality
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "temperature", "sampling", "decoding", "stopping", "response", "kv", "truncate_prompt_tokens", "priority", "session_id", "media", "lora_name", "native_sampling_params_json")
+    __slots__ = ("request_id", "model", "text", "token_ids", "temperature", "sampling", "decoding", "stopping", "response", "kv", "truncate_prompt_tokens", "priority", "session_id", "media", "lora_name", "watermarking", "native_sampling_params_json")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +37,7 @@ class GenerateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    WATERMARKING_FIELD_NUMBER: _ClassVar[int]
     NATIVE_SAMPLING_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
@@ -42,8 +54,9 @@ class GenerateRequest(_message.Message):
     session_id: str
     media: _containers.RepeatedCompositeFieldContainer[MediaItem]
     lora_name: str
+    watermarking: bool
     native_sampling_params_json: bytes
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., temperature: _Optional[float] = ..., sampling: _Optional[_Union[RandomSampling, _Mapping]] = ..., decoding: _Optional[_Union[DecodingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., kv: _Optional[_Union[KVCacheParameters, _Mapping]] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., session_id: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., lora_name: _Optional[str] = ..., native_sampling_params_json: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., temperature: _Optional[float] = ..., sampling: _Optional[_Union[RandomSampling, _Mapping]] = ..., decoding: _Optional[_Union[DecodingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., kv: _Optional[_Union[KVCacheParameters, _Mapping]] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., session_id: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., lora_name: _Optional[str] = ..., watermarking: _Optional[bool] = ..., native_sampling_params_json: _Optional[bytes] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -163,29 +176,19 @@ class CandidateTokens(_message.Message):
 
 class MediaItem(_message.Message):
     __slots__ = ("modality", "url", "data_uri", "raw_bytes", "mime_type", "uuid")
-    class Modality(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-        __slots__ = ()
-        MODALITY_UNSPECIFIED: _ClassVar[MediaItem.Modality]
-        MODALITY_IMAGE: _ClassVar[MediaItem.Modality]
-        MODALITY_VIDEO: _ClassVar[MediaItem.Modality]
-        MODALITY_AUDIO: _ClassVar[MediaItem.Modality]
-    MODALITY_UNSPECIFIED: MediaItem.Modality
-    MODALITY_IMAGE: MediaItem.Modality
-    MODALITY_VIDEO: MediaItem.Modality
-    MODALITY_AUDIO: MediaItem.Modality
     MODALITY_FIELD_NUMBER: _ClassVar[int]
     URL_FIELD_NUMBER: _ClassVar[int]
     DATA_URI_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
-    modality: MediaItem.Modality
+    modality: Modality
     url: str
     data_uri: str
     raw_bytes: bytes
     mime_type: str
     uuid: str
-    def __init__(self, modality: _Optional[_Union[MediaItem.Modality, str]] = ..., url: _Optional[str] = ..., data_uri: _Optional[str] = ..., raw_bytes: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., uuid: _Optional[str] = ...) -> None: ...
+    def __init__(self, modality: _Optional[_Union[Modality, str]] = ..., url: _Optional[str] = ..., data_uri: _Optional[str] = ..., raw_bytes: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., uuid: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("prompt_info", "outputs")

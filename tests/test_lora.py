@@ -1,0 +1,149 @@
+"""LoRA adapters from disk (upstream's LoadLora / UnloadLora / ListLoras) on a real vLLM CPU
+engine started with LoRA, and random adapters for the tiny model: served outputs equal vLLM's
+own with the same adapter, a name always means one set of weights, and an adapter in use is
+not pulled from under its requests."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import grpc
+import pytest_asyncio
+
+from rlserve.api.vllm import control_pb2 as cpb
+from rlserve.client import generate_request
+from rlserve.config import ServeConfig
+
+from helpers import PROMPT, expect, long_request, serving
+from tiny_model import make_tiny_lora
+
+INVALID, ABORTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ABORTED
+PRECONDITION, NOT_FOUND = grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND
+TOKENS = 16
+
+
+@pytest_asyncio.fixture(scope="module")
+async def lora_engine(engine_config):
+    from rlserve.engine.adapter import EngineAdapter
+
+    config = replace(engine_config, enable_lora=True, max_loras=2, max_lora_rank=8)
+    adapter = await asyncio.to_thread(EngineAdapter.start, config)
+    yield adapter
+    adapter.shutdown()
+
+
+@pytest_asyncio.fixture
+async def s(lora_engine, engine_config):
+    async with serving(lora_engine, ServeConfig(engine=engine_config)) as stubs:
+        yield stubs
+
+
+async def greedy(s, lora_name: str = "") -> list[int]:
+    request = generate_request(PROMPT, max_new_tokens=TOKENS, ignore_eos=True)
+    request.response.output_token_ids = True
+    request.lora_name = lora_name
+    return list((await s.inference.Generate(request)).outputs.token_ids)
+
+
+async def vllm_greedy(engine, adapter_dir, lora_id: int) -> list[int]:
+    """The same prompt through vLLM itself, loading the adapter from disk."""
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    ids = engine.llm.get_tokenizer().encode(PROMPT)
+    sp = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    lora = LoRARequest(f"reference-{lora_id}", lora_id, str(adapter_dir))
+    async for out in engine.llm.generate(TokensPrompt(prompt_token_ids=ids), sp, f"ref-{lora_id}", lora_request=lora):
+        last = out
+    return list(last.outputs[0].token_ids)
+
+
+async def load(s, name: str, path) -> cpb.LoraAdapter:
+    return (await s.control.LoadLora(cpb.LoadLoraRequest(lora_name=name, source_path=str(path)))).adapter
+
+
+async def test_an_adapter_loaded_from_disk_serves_what_vllm_serves(s, lora_engine, tmp_path):
+    info = await s.control.GetServerInfo(cpb.GetServerInfoRequest())
+    assert info.max_loras == 2 and (await s.control.GetModelInfo(cpb.GetModelInfoRequest())).supports_lora
+    path = make_tiny_lora(tmp_path / "a", seed=1)
+    adapter = await load(s, "a", path)
+    assert adapter.lora_name == "a" and adapter.source_path == str(path) and adapter.lora_id > 0
+    listed = (await s.control.ListLoras(cpb.ListLorasRequest())).adapters
+    assert [(x.lora_name, x.lora_id) for x in listed] == [("a", adapter.lora_id)]
+    base, with_a = await greedy(s), await greedy(s, "a")
+    assert with_a != base and with_a == await greedy(s, "a")
+    assert with_a == await vllm_greedy(lora_engine, path, 10_000)
+    await s.control.UnloadLora(cpb.UnloadLoraRequest(lora_name="a"))
+
+
+async def test_a_name_means_one_set_of_weights(s, tmp_path):
+    first = make_tiny_lora(tmp_path / "first", seed=2)
+    other = make_tiny_lora(tmp_path / "other", seed=3)
+    adapter = await load(s, "policy", first)
+    again = await load(s, "policy", first)  # the same files again: nothing changes
+    assert again.lora_id == adapter.lora_id
+    before = await greedy(s, "policy")
+    details = await expect(ABORTED, s.control.LoadLora(cpb.LoadLoraRequest(lora_name="policy", source_path=str(other))))
+    assert "other weights" in details
+    make_tiny_lora(first, seed=4)  # new weights written over the same directory
+    await expect(ABORTED, s.control.LoadLora(cpb.LoadLoraRequest(lora_name="policy", source_path=str(first))))
+    assert await greedy(s, "policy") == before, "still the weights that were loaded under the name"
+    # A new version goes under a new name, or after an unload.
+    await s.control.UnloadLora(cpb.UnloadLoraRequest(lora_name="policy"))
+    renewed = await load(s, "policy", first)
+    assert renewed.lora_id != adapter.lora_id and await greedy(s, "policy") != before
+    await s.control.UnloadLora(cpb.UnloadLoraRequest(lora_name="policy"))
+
+
+async def test_an_adapter_in_use_stays_until_its_requests_end(s, tmp_path):
+    await load(s, "busy", make_tiny_lora(tmp_path / "busy", seed=5))
+    request = long_request("story", max_new_tokens=200)
+    request.lora_name = "busy"
+    stream = s.inference.GenerateStream(request)
+    await stream.read()
+    assert "in use" in await expect(PRECONDITION, s.control.UnloadLora(cpb.UnloadLoraRequest(lora_name="busy")))
+    while await stream.read() != grpc.aio.EOF:
+        pass
+    await s.control.UnloadLora(cpb.UnloadLoraRequest(lora_name="busy"))
+    assert not (await s.control.ListLoras(cpb.ListLorasRequest())).adapters
+    assert "no adapter" in await expect(INVALID, s.inference.Generate(_with_lora("busy")))
+    await expect(NOT_FOUND, s.control.UnloadLora(cpb.UnloadLoraRequest(lora_name="busy")))
+
+
+async def test_no_more_adapters_than_the_engine_keeps(s, tmp_path):
+    for i in range(2):
+        await load(s, f"keep-{i}", make_tiny_lora(tmp_path / f"k{i}", seed=10 + i))
+    details = await expect(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        s.control.LoadLora(
+            cpb.LoadLoraRequest(lora_name="third", source_path=str(make_tiny_lora(tmp_path / "k2", 12)))
+        ),
+    )
+    assert "unload one first" in details
+    for i in range(2):
+        await s.control.UnloadLora(cpb.UnloadLoraRequest(lora_name=f"keep-{i}"))
+
+
+async def test_bad_adapters_are_refused_and_change_nothing(s, tmp_path):
+    await expect(INVALID, s.control.LoadLora(cpb.LoadLoraRequest(lora_name="", source_path=str(tmp_path))))
+    await expect(INVALID, s.control.LoadLora(cpb.LoadLoraRequest(lora_name="x", source_path=str(tmp_path))))
+    too_big = make_tiny_lora(tmp_path / "rank64", seed=6, rank=64)  # the engine allows rank 8
+    details = await expect(INVALID, s.control.LoadLora(cpb.LoadLoraRequest(lora_name="x", source_path=str(too_big))))
+    assert "vLLM cannot load" in details
+    assert not (await s.control.ListLoras(cpb.ListLorasRequest())).adapters
+
+
+async def test_a_server_without_lora_fails_closed(control, inference, tmp_path):
+    path = make_tiny_lora(tmp_path / "a", seed=1)
+    details = await expect(PRECONDITION, control.LoadLora(cpb.LoadLoraRequest(lora_name="a", source_path=str(path))))
+    assert "--enable-lora" in details
+    assert not (await control.ListLoras(cpb.ListLorasRequest())).adapters
+    assert (await control.GetServerInfo(cpb.GetServerInfoRequest())).max_loras == 0
+    await expect(INVALID, inference.Generate(_with_lora("a")))
+
+
+def _with_lora(name: str):
+    request = generate_request("hi", max_new_tokens=2)
+    request.lora_name = name
+    return request
