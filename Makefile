@@ -13,10 +13,14 @@ PYTEST_ARGS ?=
 DYNAMO_VENV ?= .venv-dynamo
 DYNAMO_VERSION := 1.6.1
 DYNAMO_STAMP := $(DYNAMO_VENV)/.dynamo-$(DYNAMO_VERSION)-installed
+# vllm-router (Rust, routes OpenAI-style requests to grpc:// workers), for tests/test_vllm_router.py.
+ROUTER_VENV ?= .venv-router
+ROUTER_VERSION := 0.1.17
+ROUTER_STAMP := $(ROUTER_VENV)/.vllm-router-$(ROUTER_VERSION)-installed
 
 .PHONY: install serve test bench protos clean
 
-install: $(STAMP) $(DYNAMO_STAMP)
+install: $(STAMP) $(DYNAMO_STAMP) $(ROUTER_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +44,11 @@ $(DYNAMO_STAMP): Makefile
 	$(DYNAMO_VENV)/bin/python -m pip install -q 'pydantic>=2.10.6,<=2.13.5' pyyaml uvloop packaging msgspec
 	touch $@
 
+$(ROUTER_STAMP): Makefile
+	test -x $(ROUTER_VENV)/bin/python || $(PYTHON) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/python -m pip install -q vllm-router==$(ROUTER_VERSION)
+	touch $@
+
 serve: install
 	$(VENV)/bin/rlserve serve --port $(PORT)
 
@@ -53,4 +62,4 @@ protos: install
 	$(PY) scripts/gen_protos.py
 
 clean:
-	rm -rf $(VENV) $(DYNAMO_VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(DYNAMO_VENV) $(ROUTER_VENV) build *.egg-info src/*.egg-info
