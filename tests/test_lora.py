@@ -129,9 +129,18 @@ async def test_bad_adapters_are_refused_and_change_nothing(s, tmp_path):
     await expect(INVALID, s.control.LoadLora(cpb.LoadLoraRequest(lora_name="", source_path=str(tmp_path))))
     await expect(INVALID, s.control.LoadLora(cpb.LoadLoraRequest(lora_name="x", source_path=str(tmp_path))))
     too_big = make_tiny_lora(tmp_path / "rank64", seed=6, rank=64)  # the engine allows rank 8
-    details = await expect(INVALID, s.control.LoadLora(cpb.LoadLoraRequest(lora_name="x", source_path=str(too_big))))
-    assert "vLLM cannot load" in details
+    garbled = make_tiny_lora(tmp_path / "garbled", seed=7)
+    (garbled / "adapter_config.json").write_text("{not json")
+    no_weights = make_tiny_lora(tmp_path / "no-weights", seed=8)
+    (no_weights / "adapter_model.safetensors").unlink()
+    misshapen = make_tiny_lora(tmp_path / "misshapen", seed=9)
+    _reshape_b(misshapen / "adapter_model.safetensors")
+    reasons = {too_big: "rank 64", garbled: "vLLM cannot load", no_weights: "no readable", misshapen: "the layer needs"}
+    for bad, reason in reasons.items():
+        request = cpb.LoadLoraRequest(lora_name="x", source_path=str(bad))
+        assert reason in await expect(INVALID, s.control.LoadLora(request)), bad.name
     assert not (await s.control.ListLoras(cpb.ListLorasRequest())).adapters
+    assert len(await greedy(s)) == TOKENS, "the engine lives on"
 
 
 async def test_a_server_without_lora_fails_closed(control, inference, tmp_path):
@@ -141,6 +150,14 @@ async def test_a_server_without_lora_fails_closed(control, inference, tmp_path):
     assert not (await control.ListLoras(cpb.ListLorasRequest())).adapters
     assert (await control.GetServerInfo(cpb.GetServerInfoRequest())).max_loras == 0
     await expect(INVALID, inference.Generate(_with_lora("a")))
+
+
+def _reshape_b(weights_file) -> None:
+    """Give every lora_B a wrong output size: vLLM must refuse it, not serve it."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(weights_file))
+    save_file({k: (v[:-3] if "lora_B" in k else v).contiguous() for k, v in tensors.items()}, str(weights_file))
 
 
 def _with_lora(name: str):

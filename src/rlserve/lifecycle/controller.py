@@ -147,6 +147,7 @@ class LifecycleController:
         """Load an adapter from disk under `name` (see LoraRegistry for what a name means)."""
         self._engine.require_lora()
         path = check_source(name, source_path, MAX_LORA_NAME_BYTES)
+        await asyncio.to_thread(self._engine.check_lora, str(path))
         digest = await asyncio.to_thread(adapter_digest, path)
         async with self._owner.lock:
             with self._owner.audited("load_lora", f"{name[:64]!r} from {source_path[:128]!r}") as outcome:
