@@ -120,6 +120,7 @@ MESSAGES: dict[str, dict[str, tuple[int, str]]] = {
         "finish_info": (8, "optional vllm.FinishInfo"),
         # rlserve's extension, numbered from 1000 per the contract.
         "weight_version_spans": (1000, "repeated rlserve.v1.WeightVersionSpan"),
+        "lora_version": (1001, "string"),
     },
     "vllm.PromptInfo": {
         "num_prompt_tokens": (1, "uint32"),

@@ -6,11 +6,13 @@ not pulled from under its requests."""
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
 
 import grpc
 import pytest_asyncio
 
+from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.client import generate_request
 from rlserve.config import ServeConfig
@@ -27,7 +29,9 @@ TOKENS = 16
 async def lora_engine(engine_config):
     from rlserve.engine.adapter import EngineAdapter
 
-    config = replace(engine_config, enable_lora=True, max_loras=2, max_lora_rank=8)
+    config = replace(
+        engine_config, enable_lora=True, max_loras=2, max_lora_rank=8, weight_transfer_backend="rlserve_gloo"
+    )
     adapter = await asyncio.to_thread(EngineAdapter.start, config)
     yield adapter
     adapter.shutdown()
@@ -35,15 +39,21 @@ async def lora_engine(engine_config):
 
 @pytest_asyncio.fixture
 async def s(lora_engine, engine_config):
-    async with serving(lora_engine, ServeConfig(engine=engine_config)) as stubs:
+    config = ServeConfig(engine=replace(engine_config, weight_transfer_backend="rlserve_gloo"), transfer_timeout_s=20)
+    async with serving(lora_engine, config) as stubs:
         yield stubs
 
 
 async def greedy(s, lora_name: str = "") -> list[int]:
+    return (await greedy_with_version(s, lora_name))[0]
+
+
+async def greedy_with_version(s, lora_name: str) -> tuple[list[int], str]:
     request = generate_request(PROMPT, max_new_tokens=TOKENS, ignore_eos=True)
     request.response.output_token_ids = True
     request.lora_name = lora_name
-    return list((await s.inference.Generate(request)).outputs.token_ids)
+    out = (await s.inference.Generate(request)).outputs
+    return list(out.token_ids), out.lora_version
 
 
 async def vllm_greedy(engine, adapter_dir, lora_id: int) -> list[int]:
@@ -164,3 +174,78 @@ def _with_lora(name: str):
     request = generate_request("hi", max_new_tokens=2)
     request.lora_name = name
     return request
+
+
+def adapter_in_memory(path) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "adapter_model.safetensors")), json.loads((path / "adapter_config.json").read_text())
+
+
+def push(target: str, tensors: dict, name: str, config: dict, version: str, new_version: bool = False):
+    from rlserve.client import Client
+    from rlserve.trainer import WeightSync
+
+    with Client(target) as client:
+        sync = WeightSync(client, timeout_s=20)
+        try:
+            return sync.sync_lora(tensors, name, config=config, version=version, new_version=new_version)
+        finally:
+            sync.close()
+
+
+async def test_an_adapter_pushed_in_memory_serves_what_vllm_serves_from_disk(s, lora_engine, tmp_path):
+    from rlserve.trainer import WeightSyncError
+
+    first, second = make_tiny_lora(tmp_path / "first", seed=20), make_tiny_lora(tmp_path / "second", seed=21)
+    tensors, config = adapter_in_memory(first)
+    stats = await asyncio.to_thread(push, s.target, tensors, "policy", config, "step-1")
+    assert stats.version == "step-1" and stats.num_tensors == len(tensors)
+    tokens, version = await greedy_with_version(s, "policy")
+    assert version == "step-1" and tokens == await vllm_greedy(lora_engine, first, 20_000)
+    assert tokens != await greedy(s)
+    # The same name with other weights, not asked as a new version: refused, v1 keeps serving.
+    other, _ = adapter_in_memory(second)
+    try:
+        await asyncio.to_thread(push, s.target, other, "policy", config, "step-2")
+        raise AssertionError("a name took other weights without new_version")
+    except WeightSyncError as e:
+        assert "a name means one set of weights" in str(e)
+    assert await greedy_with_version(s, "policy") == (tokens, "step-1")
+    # A request that started on v1 keeps it through the swap; new requests get v2.
+    request = long_request("story", max_new_tokens=120)
+    request.lora_name = "policy"
+    running = s.inference.GenerateStream(request)
+    await running.read()
+    await asyncio.to_thread(push, s.target, other, "policy", config, "step-2", True)
+    new_tokens, new_version = await greedy_with_version(s, "policy")
+    assert new_version == "step-2" and new_tokens == await vllm_greedy(lora_engine, second, 20_001)
+    last = None
+    while (message := await running.read()) != grpc.aio.EOF:
+        last = message
+    assert last.outputs.lora_version == "step-1", "a running request keeps the version it started with"
+    for _ in range(50):  # the old version leaves the engine after its last request
+        if stats.lora_id not in await lora_engine.llm.list_loras():
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("the replaced version is still loaded")
+    listed = (await s.control.ListLoras(cpb.ListLorasRequest())).adapters
+    assert [a.lora_name for a in listed] == ["policy"]
+    await s.control.UnloadLora(cpb.UnloadLoraRequest(lora_name="policy"))
+
+
+async def test_a_bad_push_is_refused_before_any_byte_moves(s, tmp_path):
+    from rlserve.trainer import WeightSyncError
+
+    path = make_tiny_lora(tmp_path / "bad", seed=22)
+    tensors, config = adapter_in_memory(path)
+    bad = {name: (t[:-3] if "lora_B" in name else t) for name, t in tensors.items()}
+    try:
+        await asyncio.to_thread(push, s.target, bad, "bad", config, "v1")
+        raise AssertionError("a misshapen adapter was accepted")
+    except WeightSyncError as e:
+        assert "the layer needs" in str(e)
+    assert not (await s.control.ListLoras(cpb.ListLorasRequest())).adapters
+    state = await s.lifecycle.GetState(lpb.GetStateRequest())
+    assert not state.HasField("update_session") and state.pause_phase == lpb.PAUSE_PHASE_RUNNING

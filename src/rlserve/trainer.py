@@ -11,6 +11,7 @@ safe, and raises `WeightSyncError`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -71,6 +72,16 @@ class SyncStats:
     @property
     def transfer_gb_per_s(self) -> float:
         return self.num_bytes / self.transfer_s / 1e9 if self.transfer_s else 0.0
+
+
+@dataclass(frozen=True)
+class LoraSyncStats:
+    lora_name: str
+    version: str
+    lora_id: int
+    num_tensors: int
+    num_bytes: int
+    transfer_s: float
 
 
 class TensorSender:
@@ -271,6 +282,58 @@ class WeightSync:
             transfer_s=transfer_s,
             pause_to_resume_s=pause_to_resume_s,
             checksum=checksum,
+        )
+
+    def sync_lora(
+        self,
+        adapter: NamedTensors,
+        name: str,
+        *,
+        config: Mapping[str, Any],
+        version: str,
+        new_version: bool = False,
+    ) -> LoraSyncStats:
+        """Push a LoRA adapter (PEFT tensor names: base_model.model.<layer>.lora_A/B.weight;
+        `config` is its adapter_config) into the server under `name`, without pausing
+        generation: requests admitted after the call use it, running ones keep the version
+        they started with. `new_version` replaces an adapter already loaded under `name`;
+        without it a loaded name is refused. Raises WeightSyncError (the old version, if
+        any, keeps serving)."""
+        state = self._lifecycle.GetState(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
+        tensors, chunks = plan_sync(
+            adapter,
+            getattr(torch, state.weight_dtype, None),
+            chunk_bytes=self._chunk_bytes,
+            bucket_bytes=self._bucket_bytes,
+        )
+        if self._sender is None or not self._sender.joined or not state.transport_ready:
+            self.init()
+        start = lifecycle_pb2.StartLoraUpdateRequest(
+            lora_name=name,
+            version=version,
+            adapter_config_json=json.dumps(dict(config)).encode(),
+            new_version=new_version,
+        )
+        t0 = time.perf_counter()
+        try:
+            self._lifecycle.StartLoraUpdate(start, timeout=self._rpc_timeout_s)
+            for chunk in chunks:
+                self._send_chunk(chunk, tensors, _NoBar())
+            finish = self._lifecycle.FinishLoraUpdate(
+                lifecycle_pb2.FinishLoraUpdateRequest(), timeout=self._step_timeout_s(sum(c.num_bytes for c in chunks))
+            )
+        except Exception as e:
+            reason = e.details() if isinstance(e, grpc.RpcError) else str(e)
+            with contextlib.suppress(grpc.RpcError):
+                self._lifecycle.AbortWeightUpdate(lifecycle_pb2.AbortWeightUpdateRequest(), timeout=self._rpc_timeout_s)
+            raise WeightSyncError(f"adapter push failed, nothing changed: {reason}", resumed_on_old_weights=True) from e
+        return LoraSyncStats(
+            lora_name=name,
+            version=finish.version,
+            lora_id=finish.adapter.lora_id,
+            num_tensors=len(tensors),
+            num_bytes=sum(c.num_bytes for c in chunks),
+            transfer_s=time.perf_counter() - t0,
         )
 
     def close(self) -> None:

@@ -174,6 +174,8 @@ class SequenceChunk:
     scores: TokenScores = TokenScores()
     finish: Finish | None = None
     weight_version_spans: tuple[WeightVersionSpan, ...] = ()
+    # With the final chunk of a request that used a LoRA adapter: that adapter's version.
+    lora_version: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +254,8 @@ class LoraAdapter:
     lora_name: str
     source_path: str
     digest: str = ""  # of the adapter's files when it was loaded
+    version: str = ""  # the trainer's label of a pushed adapter ("" for one loaded from disk)
+    owned_dir: str = ""  # a directory rlserve wrote the adapter into, removed with it
 
 
 @dataclass(frozen=True, slots=True)

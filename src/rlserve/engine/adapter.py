@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import struct
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -34,7 +33,7 @@ from rlserve.engine.process_group import engine_in_own_group
 from rlserve.engine.sampling import ModelLimits, build_prompt_token_ids, build_sampling_params
 from rlserve.engine.transport import WeightTransport, make_transport
 from rlserve.errors import CapabilityMissing, EngineUnavailable, InvalidRequest, UnknownModel
-from rlserve.transfer.manifest import ManifestEntry, read_manifest
+from rlserve.transfer.manifest import ManifestEntry, lora_misfit, read_manifest
 from rlserve.types import (
     EngineStatus,
     GenerateChunk,
@@ -400,36 +399,6 @@ class EngineAdapter:
                 )
             )
         return tuple(sources)
-
-
-_LORA_TENSOR = re.compile(r"base_model\.model\.(?P<base>.+)\.lora_(?P<part>[AB])\.weight")
-
-
-def lora_misfit(tensors: dict[str, ManifestEntry], checkpoint: dict[str, ManifestEntry], max_rank: int) -> str:
-    """What is wrong with an adapter's tensors (PEFT names, A: [r, in], B: [out, r]) for a
-    checkpoint; empty when nothing is."""
-    ranks: dict[str, dict[str, int]] = {}
-    for name, entry in sorted(tensors.items()):
-        match = _LORA_TENSOR.fullmatch(name)
-        if match is None:
-            return f"{name}: not a LoRA A or B weight (base_model.model.<layer>.lora_A/B.weight)"
-        base = checkpoint.get(f"{match['base']}.weight")
-        if base is None or len(base.shape) != 2 or len(entry.shape) != 2:
-            return f"{name}: the model has no linear layer {match['base']}"
-        out_features, in_features = base.shape
-        if match["part"] == "A":
-            rank, expected = entry.shape[0], (entry.shape[0], in_features)
-        else:
-            rank, expected = entry.shape[1], (out_features, entry.shape[1])
-        if entry.shape != expected:
-            return f"{name}: shape {list(entry.shape)}, the layer needs {list(expected)}"
-        if not 0 < rank <= max_rank:
-            return f"{name}: rank {rank} is outside 1..{max_rank} (--max-lora-rank)"
-        ranks.setdefault(match["base"], {})[match["part"]] = rank
-    for base, parts in ranks.items():
-        if set(parts) != {"A", "B"} or parts["A"] != parts["B"]:
-            return f"{base}: needs lora_A and lora_B of one rank, has {parts}"
-    return "" if ranks else "the adapter has no LoRA weights"
 
 
 def _lora_request(adapter: LoraAdapter | None) -> LoRARequest | None:

@@ -101,6 +101,14 @@ class WeightTransport(ABC):
     async def checksums(self) -> list[ServedChecksums]:
         """One per worker."""
 
+    async def start_lora(self, timeout_s: float) -> None:
+        """Open a session whose chunks make a LoRA adapter. Raises CapabilityMissing."""
+        raise CapabilityMissing(f"the {self.backend} backend cannot push LoRA adapters; use LoadLora from disk")
+
+    async def write_lora(self, directory: str, adapter_config: Mapping[str, Any], timeout_s: float) -> str:
+        """End a LoRA session: the adapter as a PEFT directory vLLM loads from (its path)."""
+        raise CapabilityMissing(f"the {self.backend} backend cannot push LoRA adapters")
+
     async def close(self) -> None:
         pass
 
@@ -208,6 +216,14 @@ class GlooTransport(WeightTransport):
         await self._in_workers(
             uuid.uuid4().hex, timeout_s, "update_info_json", Ext.rlserve_begin_chunk, chunk.payload, timeout_s
         )
+
+    async def start_lora(self, timeout_s: float) -> None:
+        await self._workers.call(Ext.rlserve_begin_lora_session)
+
+    async def write_lora(self, directory: str, adapter_config: Mapping[str, Any], timeout_s: float) -> str:
+        # Every worker received the same adapter; each writes its copy, vLLM loads the first.
+        await self._workers.call(Ext.rlserve_write_lora, directory, dict(adapter_config), field="update_info_json")
+        return f"{directory}/0"
 
     async def finish(self, timeout_s: float) -> None:
         with self._monitor.busy(timeout_s):

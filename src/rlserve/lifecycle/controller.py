@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from rlserve.errors import (
@@ -77,6 +78,8 @@ class LifecycleController:
         # The WAIT drain in progress, if any (phase PAUSING, mode WAIT), and whether the engine
         # still has to be paused once it is over (with this clear_cache) or paused itself.
         self._loras = LoraRegistry(engine.max_loaded_loras)
+        self._loras.on_retired = self._retire_later
+        self._retiring: set[asyncio.Task[None]] = set()
         self._drain: asyncio.Future[None] | None = None
         self._drain_then_pause: bool | None = None
         engine.monitor.on_dead(lambda reason: self._gate.fail_all(EngineUnavailable(reason)))
@@ -88,6 +91,7 @@ class LifecycleController:
             max_info_bytes=max_transfer_info_bytes,
             allowed_hosts=transfer_allowed_hosts,
             resume=self._resume_locked,
+            loras=self._loras,
         )
 
     @classmethod
@@ -112,6 +116,8 @@ class LifecycleController:
             raise InvalidRequest("lora_name", "LoRA adapters are not enabled on this server (--enable-lora)")
         with self._loras.using(params.lora_name) as lora:
             async for chunk in self._generate(params, lora):
+                if chunk.sequence.finish is not None:  # say which adapter version sampled it
+                    chunk = replace(chunk, sequence=replace(chunk.sequence, lora_version=lora.version))
                 yield chunk
 
     async def _generate(self, params: GenerateParams, lora: LoraAdapter | None) -> AsyncIterator[GenerateChunk]:
@@ -165,9 +171,20 @@ class LifecycleController:
         async with self._owner.lock:
             with self._owner.audited("unload_lora", f"{name[:64]!r}"):
                 adapter = self._loras.removable(name)
-                await self._engine.remove_lora(adapter)
+                await self.weights.unload_adapter(adapter)
                 self._loras.remove(name)
                 return adapter
+
+    def _retire_later(self, adapter: LoraAdapter) -> None:
+        """An old version whose last request just ended: unload it (it was replaced)."""
+
+        async def retire() -> None:
+            async with self._owner.lock:
+                with self._owner.audited("retire_lora", f"{adapter.lora_name[:64]!r} id={adapter.lora_id}"):
+                    await self.weights.unload_adapter(adapter)
+
+        self._retiring.add(task := asyncio.ensure_future(retire()))
+        task.add_done_callback(self._retiring.discard)
 
     def loras(self) -> tuple[LoraAdapter, ...]:
         return self._loras.adapters()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rlserve.errors import InvalidRequest, NameTaken, NotFound, Overloaded, WrongState
@@ -50,7 +50,11 @@ class LoraRegistry:
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
         self._by_name: dict[str, LoraAdapter] = {}
-        self._in_use: dict[str, int] = {}
+        self._in_use: dict[int, int] = {}  # by lora_id
+        # Replaced by a new version while requests still used them: unloaded after the last.
+        self._retired: dict[int, LoraAdapter] = {}
+        # Called with a retired adapter once no request uses it (the controller unloads it).
+        self.on_retired: Callable[[LoraAdapter], None] = lambda adapter: None
 
     def get(self, name: str) -> LoraAdapter:
         adapter = self._by_name.get(name)
@@ -66,8 +70,7 @@ class LoraRegistry:
         Raises NameTaken when the name stands for other weights."""
         adapter = self._by_name.get(name)
         if adapter is None:
-            if len(self._by_name) >= self._capacity:
-                raise Overloaded(f"{self._capacity} adapters are loaded, as many as the engine keeps; unload one first")
+            self.check_room()
             return None
         if adapter.source_path != source_path or adapter.digest != digest:
             raise NameTaken(
@@ -76,18 +79,45 @@ class LoraRegistry:
             )
         return adapter
 
-    def new(self, name: str, source_path: str, digest: str) -> LoraAdapter:
-        return LoraAdapter(next(_IDS), name, source_path, digest)
+    def check_new_version(self, name: str, new_version: bool) -> None:
+        """Before a trainer pushes weights for `name`: a loaded name needs `new_version`."""
+        if name in self._by_name:
+            if not new_version:
+                raise NameTaken(
+                    f"adapter {name!r} is loaded with other weights; a name means one set of weights: "
+                    "ask for a new version of it (new_version), or push under a new name"
+                )
+        else:
+            self.check_room()
 
-    def add(self, adapter: LoraAdapter) -> None:
+    def check_room(self) -> None:
+        if len(self._by_name) + len(self._retired) >= self._capacity:
+            raise Overloaded(f"{self._capacity} adapters are loaded, as many as the engine keeps; unload one first")
+
+    def new(self, name: str, source_path: str, digest: str, version: str = "", owned_dir: str = "") -> LoraAdapter:
+        return LoraAdapter(next(_IDS), name, source_path, digest, version, owned_dir)
+
+    def add(self, adapter: LoraAdapter) -> LoraAdapter | None:
+        """Serve `adapter` under its name from now on (requests already running keep the one
+        they started with). Returns the adapter it replaces when nothing uses that any more
+        (to unload now); one still in use is unloaded through `on_retired` after its last request."""
+        old = self._by_name.get(adapter.lora_name)
         self._by_name[adapter.lora_name] = adapter
+        if old is None:
+            return None
+        if self._in_use.get(old.lora_id):
+            self._retired[old.lora_id] = old
+            return None
+        return old
 
     def removable(self, name: str) -> LoraAdapter:
         adapter = self._by_name.get(name)
         if adapter is None:
             raise NotFound(f"no adapter {name!r} is loaded")
-        if self._in_use.get(name):
-            raise WrongState(f"adapter {name!r} is in use by {self._in_use[name]} running requests; abort them first")
+        if self._in_use.get(adapter.lora_id):
+            raise WrongState(
+                f"adapter {name!r} is in use by {self._in_use[adapter.lora_id]} running requests; abort them first"
+            )
         return adapter
 
     def remove(self, name: str) -> None:
@@ -95,12 +125,16 @@ class LoraRegistry:
 
     @contextlib.contextmanager
     def using(self, name: str) -> Iterator[LoraAdapter]:
-        """For the life of one request: the adapter cannot be unloaded meanwhile."""
+        """For the life of one request: the adapter it started with stays loaded meanwhile."""
         adapter = self.get(name)
-        self._in_use[name] = self._in_use.get(name, 0) + 1
+        key = adapter.lora_id
+        self._in_use[key] = self._in_use.get(key, 0) + 1
         try:
             yield adapter
         finally:
-            self._in_use[name] -= 1
-            if not self._in_use[name]:
-                del self._in_use[name]
+            self._in_use[key] -= 1
+            if not self._in_use[key]:
+                del self._in_use[key]
+                retired = self._retired.pop(key, None)
+                if retired is not None:
+                    self.on_retired(retired)

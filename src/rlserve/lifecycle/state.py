@@ -37,6 +37,8 @@ class UpdateSession:
     num_chunks: int = 0
     num_tensors: int = 0
     num_bytes: int = 0
+    # A session that pushes a LoRA adapter (StartLoraUpdate): its name; "" for model weights.
+    lora_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,8 @@ def check_can_resume(state: LifecycleState, is_draining: bool) -> None:
         )
 
 
-def check_can_start_update(state: LifecycleState) -> None:
+def check_can_open_session(state: LifecycleState) -> None:
+    """What any update session needs: no other one, and a ready transport."""
     if state.update_session is not None:
         raise UpdateInProgress(
             f"weight update {state.update_session.session_id} is already open; finish or abort it first"
@@ -132,6 +135,10 @@ def check_can_start_update(state: LifecycleState) -> None:
         raise UpdateInProgress("InitWeightTransferEngine is in progress; start the update once it returns")
     if not state.transport_ready:
         raise TransportNotReady("no weight transport; call InitWeightTransferEngine first")
+
+
+def check_can_start_update(state: LifecycleState) -> None:
+    check_can_open_session(state)
     if state.pause_phase is not PausePhase.PAUSED:
         raise NotPaused(
             f"pause generation before StartWeightUpdate (state: {state.pause_phase.name}); "
@@ -148,10 +155,15 @@ def check_can_init_transport(state: LifecycleState) -> None:
         raise UpdateInProgress("another InitWeightTransferEngine is in progress")
 
 
-def require_session(state: LifecycleState, call: str) -> UpdateSession:
-    if state.update_session is None:
+def require_session(state: LifecycleState, call: str, lora: bool | None = None) -> UpdateSession:
+    """The open session; of the kind asked for (a LoRA adapter or model weights) unless None."""
+    session = state.update_session
+    if session is None:
         raise NoUpdateSession(f"no weight update is open; StartWeightUpdate before {call}")
-    return state.update_session
+    if lora is not None and bool(session.lora_name) != lora:
+        kind = f"pushes LoRA adapter {session.lora_name!r}" if session.lora_name else "updates the model's weights"
+        raise NoUpdateSession(f"the open session {kind}: {call} does not finish it")
+    return session
 
 
 def check_sleep_request(level: int, mode: PauseMode) -> None:

@@ -8,26 +8,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlserve.caller import CURRENT
 from rlserve.errors import CapabilityMissing, CommitFailed, TransferTimeout
+from rlserve.lifecycle.loras import LoraRegistry, adapter_digest
 from rlserve.lifecycle.mutation import survives_caller_cancellation
 from rlserve.lifecycle.owner import StateOwner
 from rlserve.lifecycle.rendezvous import check_trainer_host
 from rlserve.lifecycle.state import (
     UpdateSession,
     check_can_init_transport,
+    check_can_open_session,
     check_can_start_update,
     check_weight_version,
     require_session,
 )
 from rlserve.payloads import parse_json
-from rlserve.types import PausePhase
+from rlserve.types import LoraAdapter, PausePhase
 
 if TYPE_CHECKING:
     from rlserve.engine.adapter import EngineAdapter
@@ -49,6 +54,7 @@ class WeightUpdates:
         max_info_bytes: int,
         allowed_hosts: tuple[str, ...] = (),
         resume: Callable[[], Awaitable[None]],
+        loras: LoraRegistry,
     ) -> None:
         self._owner = owner
         self._engine = engine
@@ -58,6 +64,9 @@ class WeightUpdates:
         self._lease_s = lease_s
         # Resumes generation; called with the lock held, when a lease ends a session.
         self._resume = resume
+        self._loras = loras
+        # The open LoRA session's version label, adapter config and whether it is a new version.
+        self._lora_session: tuple[str, dict[str, Any], bool] = ("", {}, False)
         self._lease: asyncio.TimerHandle | None = None
         self._lease_token = 0
         self._expiry: asyncio.Task[None] | None = None
@@ -153,7 +162,7 @@ class WeightUpdates:
         Raises NoUpdateSession, InvalidRequest, CommitFailed."""
         async with self._owner.lock:
             with self._owner.audited("finish_weight_update", f"version={(version or '')[:64]!r}"):
-                require_session(self._owner.state, "FinishWeightUpdate")
+                require_session(self._owner.state, "FinishWeightUpdate", lora=False)
                 if version is not None:
                     check_weight_version(version)
                 transport = self._transport()
@@ -176,6 +185,59 @@ class WeightUpdates:
                     await self._engine.set_weight_version(version)
                     changes["weight_version"] = version
                 self._owner.publish(**changes)
+
+    # LoRA adapters pushed by the trainer ---------------------------------------------------
+
+    @survives_caller_cancellation
+    async def start_lora(self, name: str, version: str, adapter_config: Mapping[str, Any], new_version: bool) -> None:
+        """Open a session whose chunks make adapter `name` (generation goes on meanwhile: the
+        adapter is swapped in at finish). A loaded name needs `new_version`. Raises CapabilityMissing, NameTaken (ABORTED), UpdateInProgress, TransportNotReady."""
+        async with self._owner.lock:
+            with self._owner.audited("start_lora_update", f"{name[:64]!r} version={version[:64]!r}"):
+                self._engine.require_lora()
+                transport = self._transport()
+                check_can_open_session(self._owner.state)
+                self._loras.check_new_version(name, new_version)
+                await transport.start_lora(self._timeout_s)
+                session = UpdateSession(uuid.uuid4().hex, False, time.time(), lora_name=name)
+                self._lora_session = (version, dict(adapter_config), new_version)
+                self._owner.publish(update_session=session)
+                self._arm_lease(session.session_id)
+
+    @survives_caller_cancellation
+    async def finish_lora(self) -> LoraAdapter:
+        """The pushed adapter, checked whole and written out by the workers, is loaded and
+        serves every request admitted from now on; requests already running keep the
+        version they started with, and the old version is unloaded after the last of them.
+        A failure leaves the old version serving. Raises NoUpdateSession, InvalidRequest."""
+        async with self._owner.lock:
+            with self._owner.audited("finish_lora_update", ""):
+                session = require_session(self._owner.state, "FinishLoraUpdate", lora=True)
+                version, adapter_config, new_version = self._lora_session
+                transport = self._transport()
+                self._disarm_lease()
+                directory = tempfile.mkdtemp(prefix=f"rlserve-lora-{session.session_id[:8]}-")
+                try:
+                    self._loras.check_new_version(session.lora_name, new_version)
+                    path = await transport.write_lora(directory, adapter_config, self._timeout_s)
+                    digest = await asyncio.to_thread(adapter_digest, Path(path))
+                    adapter = self._loras.new(session.lora_name, path, digest, version, directory)
+                    await self._engine.add_lora(adapter)
+                except BaseException:
+                    shutil.rmtree(directory, ignore_errors=True)
+                    self._owner.publish(update_session=None)
+                    raise
+                old = self._loras.add(adapter)
+                self._owner.publish(update_session=None)
+                if old is not None:
+                    await self.unload_adapter(old)
+                return adapter
+
+    async def unload_adapter(self, adapter: LoraAdapter) -> None:
+        """Under the lock: out of the engine, and its directory if rlserve wrote it."""
+        await self._engine.remove_lora(adapter)
+        if adapter.owned_dir:
+            shutil.rmtree(adapter.owned_dir, ignore_errors=True)
 
     @survives_caller_cancellation
     async def abort(self) -> None:

@@ -69,6 +69,8 @@ RULES: dict[str, Role] = {
     "/rlserve.v1.Lifecycle/WatchState": Role.READ,
     "/rlserve.v1.Lifecycle/GetWeightChecksum": Role.READ,
     "/rlserve.v1.Lifecycle/GetLoad": Role.READ,
+    "/rlserve.v1.Lifecycle/StartLoraUpdate": Role.ADMIN,
+    "/rlserve.v1.Lifecycle/FinishLoraUpdate": Role.ADMIN,
     "/rlserve.v1.Lifecycle/UpdateWeightVersion": Role.ADMIN,
     "/rlserve.v1.Lifecycle/AbortWeightUpdate": Role.ADMIN,
 }

@@ -16,7 +16,7 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2, rlserve_pb2
 from rlserve.api.vllm import control_pb2, inference_pb2
 from rlserve.config import RequestLimits
 from rlserve.errors import InvalidRequest, LimitExceeded
-from rlserve.lifecycle.state import LifecycleSnapshot, LifecycleState
+from rlserve.lifecycle.state import LifecycleSnapshot, LifecycleState, check_weight_version
 from rlserve.payloads import parse_json_object
 from rlserve.types import PauseMode, PausePhase, SleepTag
 
@@ -226,6 +226,7 @@ def generate_response(chunk: types.GenerateChunk, params: types.GenerateParams) 
         out.weight_version_spans.append(
             rlserve_pb2.WeightVersionSpan(weight_version=span.weight_version, start=span.start, end=span.end)
         )
+    out.lora_version = seq.lora_version
     return resp
 
 
@@ -408,6 +409,7 @@ def lifecycle_state(state: LifecycleState) -> lifecycle_pb2.LifecycleState:
                 num_tensors=session.num_tensors,
                 num_bytes=session.num_bytes,
                 started_unix_s=session.started_unix_s,
+                lora_name=session.lora_name,
             )
         )
     return msg
@@ -458,3 +460,18 @@ def lora_adapter(adapter: types.LoraAdapter) -> control_pb2.LoraAdapter:
     return control_pb2.LoraAdapter(
         lora_id=adapter.lora_id, lora_name=adapter.lora_name, source_path=adapter.source_path
     )
+
+
+# An adapter_config.json is a few hundred bytes.
+MAX_ADAPTER_CONFIG_BYTES = 1 << 16
+
+
+def start_lora_update(req: lifecycle_pb2.StartLoraUpdateRequest) -> tuple[str, str, dict[str, Any], bool]:
+    """(name, version, adapter config, new_version); InvalidRequest naming the field."""
+    if not req.lora_name or _utf8_len(req.lora_name) > 256:
+        raise InvalidRequest("lora_name", "needs a name of 1 to 256 bytes")
+    check_weight_version(req.version, "version")
+    config = parse_json_object(
+        req.adapter_config_json, "adapter_config_json", ("max_adapter_config_bytes", MAX_ADAPTER_CONFIG_BYTES)
+    )
+    return req.lora_name, req.version, config, req.new_version

@@ -1,5 +1,6 @@
 """`rlserve.v1.Lifecycle`: the whole lifecycle state, its changes as a stream, the
-compare-and-set version update, abandoning an update, and the served weights' digests."""
+compare-and-set version update, abandoning an update, the served weights' digests, the load,
+and LoRA adapters pushed by the trainer."""
 
 from __future__ import annotations
 
@@ -49,3 +50,13 @@ class LifecycleServicer(lifecycle_pb2_grpc.LifecycleServicer):
     @translate_errors
     async def GetLoad(self, request: pb.GetLoadRequest, context: Ctx) -> pb.LoadReport:
         return convert.load_report(*self._slot.lifecycle.load())
+
+    @translate_errors
+    async def StartLoraUpdate(self, request: pb.StartLoraUpdateRequest, context: Ctx) -> pb.StartLoraUpdateResponse:
+        await self._slot.lifecycle.weights.start_lora(*convert.start_lora_update(request))
+        return pb.StartLoraUpdateResponse()
+
+    @translate_errors
+    async def FinishLoraUpdate(self, request: pb.FinishLoraUpdateRequest, context: Ctx):
+        adapter = await self._slot.lifecycle.weights.finish_lora()
+        return pb.FinishLoraUpdateResponse(adapter=convert.lora_adapter(adapter), version=adapter.version)

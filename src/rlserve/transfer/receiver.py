@@ -17,15 +17,18 @@ vLLM's engine loop.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from rlserve.transfer.gloo_link import GlooLink
-from rlserve.transfer.manifest import ManifestEntry
+from rlserve.transfer.manifest import ManifestEntry, lora_misfit, lora_tensor_misfit
 from rlserve.transfer.notify import Notifier
 from rlserve.transfer.protocol import ChunkInfo, ErrorCode, InitInfo, WorkerError
 from rlserve.transfer.served import ServedWeights
@@ -45,6 +48,9 @@ class GlooReceiver:
         self._broken = ""
         self._init_op: str | None = None
         self._staged: dict[str, torch.Tensor] | None = None
+        # A session for a LoRA adapter (checked as one, written out instead of loaded): its
+        # maximal rank; None for a session of model weights.
+        self._lora_rank: int | None = None
         self._receiving = False
 
     # Rendezvous --------------------------------------------------------------------------
@@ -84,13 +90,14 @@ class GlooReceiver:
 
     # Session -----------------------------------------------------------------------------
 
-    def start_session(self) -> None:
-        """A fresh session: whatever an earlier one left behind is dropped."""
+    def start_session(self, lora_max_rank: int | None = None) -> None:
+        """A fresh session (of a LoRA adapter up to `lora_max_rank`, or of model weights):
+        whatever an earlier one left behind is dropped."""
         with self._lock:
             self._check_transport()
             if self._receiving:
                 raise WorkerError(ErrorCode.WRONG_STATE, "a chunk of an earlier session is still being received")
-            self._staged = {}
+            self._staged, self._lora_rank = {}, lora_max_rank
 
     def abort(self) -> None:
         """Drop the staging; the served weights were never touched. A chunk still on the wire
@@ -144,13 +151,18 @@ class GlooReceiver:
     def _check_against_manifest(self, info: ChunkInfo, staged_names: set[str]) -> str | None:
         seen: set[str] = set()
         for t in info.tensors:
-            entry = self._manifest.get(t.name)
-            if entry is None:
-                return f"unknown tensor {t.name!r}: the checkpoint has no such name"
             if t.name in seen or t.name in staged_names:
                 return f"tensor {t.name!r} is sent twice in this update"
-            if t.shape != entry.shape:
-                return f"{t.name}: shape {list(t.shape)} != checkpoint shape {list(entry.shape)}"
+            if self._lora_rank is not None:
+                problem = lora_tensor_misfit(t.name, t.shape, self._manifest, self._lora_rank)
+                if problem:
+                    return problem
+            else:
+                entry = self._manifest.get(t.name)
+                if entry is None:
+                    return f"unknown tensor {t.name!r}: the checkpoint has no such name"
+                if t.shape != entry.shape:
+                    return f"{t.name}: shape {list(t.shape)} != checkpoint shape {list(entry.shape)}"
             if t.dtype_name != self._served_dtype:
                 return (
                     f"{t.name} is {t.dtype_name}, the server computes in {self._served_dtype}: send it as "
@@ -167,12 +179,34 @@ class GlooReceiver:
 
     # Commit ------------------------------------------------------------------------------
 
+    def write_lora(self, directory: str, adapter_config: Mapping[str, Any]) -> int:
+        """End a LoRA session: write the staged adapter (checked whole) as a PEFT directory
+        `directory`/<this worker's rank> that vLLM loads from; returns how many tensors it
+        has. The model is not touched."""
+        with self._lock:
+            if self._receiving:
+                raise WorkerError(ErrorCode.WRONG_STATE, "a chunk is still being received")
+            staged, rank, self._staged = self._staged, self._lora_rank, None
+        if staged is None or rank is None:
+            raise WorkerError(ErrorCode.WRONG_STATE, "no LoRA update session is open")
+        metas = {n: ManifestEntry(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in staged.items()}
+        problem = lora_misfit(metas, self._manifest, rank)
+        if problem:
+            raise WorkerError(ErrorCode.INVALID_INFO, problem)
+        path = Path(directory) / str(self._rank_in_server)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({n: t.contiguous() for n, t in staged.items()}, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps(dict(adapter_config)))
+        return len(staged)
+
     def commit(self, model: torch.nn.Module, model_config: Any, served: ServedWeights) -> int:
         """Load the staged tensors, completing partly sent layers from `served`; returns how
         many tensors were loaded. `served` is told that the weights changed."""
         with self._lock:
             if self._receiving:
                 raise WorkerError(ErrorCode.WRONG_STATE, "a chunk is still being received")
+            if self._lora_rank is not None:
+                raise WorkerError(ErrorCode.WRONG_STATE, "this session carries a LoRA adapter, not model weights")
             staged, self._staged = self._staged, None
         if staged is None:
             raise WorkerError(ErrorCode.WRONG_STATE, "no update session is open")

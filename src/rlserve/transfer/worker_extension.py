@@ -47,6 +47,21 @@ class RlserveWorkerExtension:
     def rlserve_begin_session(self) -> dict:
         return _run(lambda: self._rlserve_receiver().start_session())
 
+    def rlserve_begin_lora_session(self) -> dict:
+        """A session whose chunks make a LoRA adapter (up to the engine's max LoRA rank)."""
+        lora = self.vllm_config.lora_config
+        if lora is None:
+            return Reply.failure(ErrorCode.WRONG_STATE, "LoRA is off in this engine").to_dict()
+        return _run(lambda: self._rlserve_receiver().start_session(lora_max_rank=lora.max_lora_rank))
+
+    def rlserve_write_lora(self, directory: str, adapter_config: dict[str, Any]) -> dict:
+        """Write the session's adapter into `directory`/<this worker's rank in the server>."""
+
+        def write() -> Reply:
+            return Reply(True, data={"num_tensors": self._rlserve_receiver().write_lora(directory, adapter_config)})
+
+        return _run(write)
+
     def rlserve_begin_chunk(self, op: str, notify_address: str, update_info: dict[str, Any], timeout_s: float) -> dict:
         """Start receiving one chunk; the outcome arrives as a notice for `op`."""
 

@@ -199,7 +199,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, prompt_info: _Optional[_Union[PromptInfo, _Mapping]] = ..., outputs: _Optional[_Union[SequenceOutput, _Mapping]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("index", "text", "num_tokens", "token_ids", "logprobs", "ranks", "candidate_tokens", "finish_info", "weight_version_spans")
+    __slots__ = ("index", "text", "num_tokens", "token_ids", "logprobs", "ranks", "candidate_tokens", "finish_info", "weight_version_spans", "lora_version")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,7 @@ class SequenceOutput(_message.Message):
     CANDIDATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_INFO_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
+    LORA_VERSION_FIELD_NUMBER: _ClassVar[int]
     index: int
     text: str
     num_tokens: int
@@ -218,7 +219,8 @@ class SequenceOutput(_message.Message):
     candidate_tokens: _containers.RepeatedCompositeFieldContainer[CandidateTokenInfo]
     finish_info: FinishInfo
     weight_version_spans: _containers.RepeatedCompositeFieldContainer[_rlserve_pb2.WeightVersionSpan]
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., candidate_tokens: _Optional[_Iterable[_Union[CandidateTokenInfo, _Mapping]]] = ..., finish_info: _Optional[_Union[FinishInfo, _Mapping]] = ..., weight_version_spans: _Optional[_Iterable[_Union[_rlserve_pb2.WeightVersionSpan, _Mapping]]] = ...) -> None: ...
+    lora_version: str
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., candidate_tokens: _Optional[_Iterable[_Union[CandidateTokenInfo, _Mapping]]] = ..., finish_info: _Optional[_Union[FinishInfo, _Mapping]] = ..., weight_version_spans: _Optional[_Iterable[_Union[_rlserve_pb2.WeightVersionSpan, _Mapping]]] = ..., lora_version: _Optional[str] = ...) -> None: ...
 
 class PromptInfo(_message.Message):
     __slots__ = ("num_prompt_tokens", "token_ids", "logprobs", "ranks", "candidate_tokens")

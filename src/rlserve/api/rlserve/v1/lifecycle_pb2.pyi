@@ -19,6 +19,34 @@ PAUSE_PHASE_RUNNING: PausePhase
 PAUSE_PHASE_PAUSING: PausePhase
 PAUSE_PHASE_PAUSED: PausePhase
 
+class StartLoraUpdateRequest(_message.Message):
+    __slots__ = ("lora_name", "version", "adapter_config_json", "new_version")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    NEW_VERSION_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    version: str
+    adapter_config_json: bytes
+    new_version: bool
+    def __init__(self, lora_name: _Optional[str] = ..., version: _Optional[str] = ..., adapter_config_json: _Optional[bytes] = ..., new_version: _Optional[bool] = ...) -> None: ...
+
+class StartLoraUpdateResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FinishLoraUpdateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FinishLoraUpdateResponse(_message.Message):
+    __slots__ = ("adapter", "version")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    adapter: _control_pb2.LoraAdapter
+    version: str
+    def __init__(self, adapter: _Optional[_Union[_control_pb2.LoraAdapter, _Mapping]] = ..., version: _Optional[str] = ...) -> None: ...
+
 class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -79,20 +107,22 @@ class WeightChecksum(_message.Message):
     def __init__(self, algorithm: _Optional[str] = ..., overall: _Optional[str] = ..., per_tensor: _Optional[_Mapping[str, str]] = ..., inconsistent_tensors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WeightUpdateSession(_message.Message):
-    __slots__ = ("session_id", "is_draft", "num_chunks", "num_tensors", "num_bytes", "started_unix_s")
+    __slots__ = ("session_id", "is_draft", "num_chunks", "num_tensors", "num_bytes", "started_unix_s", "lora_name")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     IS_DRAFT_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     STARTED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     is_draft: bool
     num_chunks: int
     num_tensors: int
     num_bytes: int
     started_unix_s: float
-    def __init__(self, session_id: _Optional[str] = ..., is_draft: _Optional[bool] = ..., num_chunks: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., started_unix_s: _Optional[float] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, session_id: _Optional[str] = ..., is_draft: _Optional[bool] = ..., num_chunks: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., started_unix_s: _Optional[float] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class GetStateRequest(_message.Message):
     __slots__ = ()

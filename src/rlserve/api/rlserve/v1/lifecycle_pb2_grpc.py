@@ -64,6 +64,16 @@ class LifecycleStub:
                 request_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.StartLoraUpdate = channel.unary_unary(
+                '/rlserve.v1.Lifecycle/StartLoraUpdate',
+                request_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.StartLoraUpdateRequest.SerializeToString,
+                response_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.StartLoraUpdateResponse.FromString,
+                _registered_method=True)
+        self.FinishLoraUpdate = channel.unary_unary(
+                '/rlserve.v1.Lifecycle/FinishLoraUpdate',
+                request_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.FinishLoraUpdateRequest.SerializeToString,
+                response_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.FinishLoraUpdateResponse.FromString,
+                _registered_method=True)
 
 
 class LifecycleServicer:
@@ -139,6 +149,31 @@ class LifecycleServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartLoraUpdate(self, request, context):
+        """Push a LoRA adapter from the trainer through the weight transport (rlserve_gloo), staged
+        and verified like a full update, without pausing generation: StartLoraUpdate, then
+        vllm.Control/UpdateWeights with chunks of PEFT-named tensors (base_model.model.<layer>.
+        lora_A/B.weight, in the served dtype, checked against the checkpoint's layers and the
+        max LoRA rank before any byte moves), then FinishLoraUpdate. The adapter is swapped in at
+        finish: requests admitted from then on use it, requests already running keep the version
+        they started with (their final message says which, SequenceOutput.lora_version), and the
+        old version is unloaded after the last of them; its prefix cache goes with it.
+        AbortWeightUpdate (or a failure, or the session lease) leaves the old version serving.
+        A name means one set of weights: a loaded name is ABORTED unless new_version is set.
+        Status: FAILED_PRECONDITION without --enable-lora, without rlserve_gloo, or without a
+        ready transport; ABORTED when a session or an init is open, or for the name rule;
+        RESOURCE_EXHAUSTED when the engine keeps no more adapters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishLoraUpdate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LifecycleServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -171,6 +206,16 @@ def add_LifecycleServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.GetLoadRequest.FromString,
                     response_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.LoadReport.SerializeToString,
+            ),
+            'StartLoraUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartLoraUpdate,
+                    request_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.StartLoraUpdateRequest.FromString,
+                    response_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.StartLoraUpdateResponse.SerializeToString,
+            ),
+            'FinishLoraUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishLoraUpdate,
+                    request_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.FinishLoraUpdateRequest.FromString,
+                    response_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.FinishLoraUpdateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -335,6 +380,60 @@ class Lifecycle:
             '/rlserve.v1.Lifecycle/GetLoad',
             rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.GetLoadRequest.SerializeToString,
             rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartLoraUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlserve.v1.Lifecycle/StartLoraUpdate',
+            rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.StartLoraUpdateRequest.SerializeToString,
+            rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.StartLoraUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishLoraUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlserve.v1.Lifecycle/FinishLoraUpdate',
+            rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.FinishLoraUpdateRequest.SerializeToString,
+            rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.FinishLoraUpdateResponse.FromString,
             options,
             channel_credentials,
             insecure,
