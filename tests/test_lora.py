@@ -249,3 +249,24 @@ async def test_a_bad_push_is_refused_before_any_byte_moves(s, tmp_path):
     assert not (await s.control.ListLoras(cpb.ListLorasRequest())).adapters
     state = await s.lifecycle.GetState(lpb.GetStateRequest())
     assert not state.HasField("update_session") and state.pause_phase == lpb.PAUSE_PHASE_RUNNING
+
+
+async def test_a_lora_session_is_no_weight_session_and_an_empty_one_changes_nothing(s):
+    from helpers import HandTrainer
+
+    trainer = HandTrainer(s.target)
+    await trainer.init()
+    try:
+        start = lpb.StartLoraUpdateRequest(lora_name="empty", version="v1", adapter_config_json=b'{"r": 8}')
+        await s.lifecycle.StartLoraUpdate(start)
+        state = await s.lifecycle.GetState(lpb.GetStateRequest())
+        assert state.update_session.lora_name == "empty"
+        finish = cpb.FinishWeightUpdateRequest(weight_version="x")
+        assert "LoRA adapter" in await expect(PRECONDITION, s.control.FinishWeightUpdate(finish))
+        assert "no LoRA weights" in await expect(INVALID, s.lifecycle.FinishLoraUpdate(lpb.FinishLoraUpdateRequest()))
+        state = await s.lifecycle.GetState(lpb.GetStateRequest())
+        assert not state.HasField("update_session") and state.weight_version != "x"
+        assert not (await s.control.ListLoras(cpb.ListLorasRequest())).adapters
+        await expect(PRECONDITION, s.lifecycle.FinishLoraUpdate(lpb.FinishLoraUpdateRequest()))
+    finally:
+        trainer.close()
