@@ -4,6 +4,7 @@ One workload (default 16 concurrent requests x 64 new tokens, greedy, ignore_eos
 prompts, model, fp32 and engine settings) runs through each leg in turn, one engine at a time:
   asyncllm  vLLM's AsyncLLM in a child process driven by itself: the zero-overhead reference
   rlserve   `rlserve serve`, driven over gRPC GenerateStream from this process
+  rlserve_nostats  the same with --disable-log-stats (no GetLoad figures, no vllm:* metrics)
   vllm_http vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`), streaming
             /v1/completions
   vllm_rs   vLLM's Rust frontend (`vllm-rs serve --grpc-port`), the same GenerateStream client
@@ -42,7 +43,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common
 
-LEGS = ("asyncllm", "rlserve", "vllm_http", "vllm_rs")
+LEGS = ("asyncllm", "rlserve", "rlserve_nostats", "vllm_http", "vllm_rs")
 MAX_MODEL_LEN = 512
 ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager")
 WARMUP_MAX_NEW_TOKENS = 16
@@ -267,9 +268,11 @@ async def run_leg(name: str, args: argparse.Namespace, work_dir: Path) -> dict:
     if name == "asyncllm":
         runs, tree = await asyncllm_leg(args, log_path)
         info["frontend"] = "the AsyncLLM child process (includes its driving loop)"
-    elif name == "rlserve":
+    elif name in ("rlserve", "rlserve_nostats"):
         port = common.free_port()
         cmd = [sys.executable, "-m", "rlserve", "serve", "--model", args.model, "--port", str(port), *ENGINE_FLAGS]
+        if name == "rlserve_nostats":  # what vLLM's scheduler stats (GetLoad, vllm:* metrics) cost
+            cmd.append("--disable-log-stats")
         runs, tree = await grpc_leg(cmd, port, args, log_path)
         info["frontend"] = "the `python -m rlserve serve` process"
     elif name == "vllm_http":
@@ -305,6 +308,7 @@ def ratios(legs: dict) -> dict:
         "rlserve_over_asyncllm_throughput": div(get("rlserve", tps), get("asyncllm", tps)),
         "rlserve_over_http_throughput": div(get("rlserve", tps), get("vllm_http", tps)),
         "rlserve_over_vllm_rs_cpu_per_token": div(get("rlserve", cpu), get("vllm_rs", cpu)),
+        "rlserve_stats_over_nostats_cpu_per_token": div(get("rlserve", cpu), get("rlserve_nostats", cpu)),
     }
 
 

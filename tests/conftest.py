@@ -45,6 +45,8 @@ def engine_config(tiny_model_dir: Path) -> EngineConfig:
         max_num_seqs=64,
         enforce_eager=True,
         kv_cache_gib=0.5,
+        # As `rlserve serve --metrics-port` starts it: vLLM's own metrics recorded.
+        vllm_metrics=True,
     )
 
 

@@ -157,6 +157,7 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         kv_cache_gib=args.kv_cache_gib,
         hang_timeout_s=args.engine_hang_timeout_s,
         log_stats=not args.disable_log_stats,
+        vllm_metrics=args.metrics_port is not None,
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,

@@ -34,6 +34,8 @@ class EngineConfig:
     hang_timeout_s: float = 60.0
     # vLLM's scheduler stats: the figures of `GetLoad` and vLLM's own `vllm:` metrics.
     log_stats: bool = True
+    # vLLM's Prometheus metrics (`vllm:*`), only worth their CPU when something scrapes them.
+    vllm_metrics: bool = False
     # LoRA adapters: off unless enabled; max_loras adapters per batch, up to max_lora_rank.
     enable_lora: bool = False
     max_loras: int = 4

@@ -27,7 +27,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from rlserve.config import EngineConfig
 from rlserve.engine.liveness import EngineMonitor
-from rlserve.engine.load import LoadBoard
+from rlserve.engine.load import LoadBoard, NoPrometheus
 from rlserve.engine.outputs import OutputTranslator, aborted_before_start
 from rlserve.engine.process_group import engine_in_own_group
 from rlserve.engine.sampling import ModelLimits, build_prompt_token_ids, build_sampling_params
@@ -138,8 +138,11 @@ class EngineAdapter:
     def start(cls, config: EngineConfig) -> EngineAdapter:
         """Start the engine (tens of seconds); raises what vLLM raises on a bad config."""
         load = LoadBoard() if config.log_stats else None
+        loggers: list[Any] = [load.logger] if load else []
+        if load and not config.vllm_metrics:
+            loggers.append(NoPrometheus)
         with engine_in_own_group():
-            llm = AsyncLLM.from_engine_args(engine_args(config), stat_loggers=[load.logger] if load else None)
+            llm = AsyncLLM.from_engine_args(engine_args(config), stat_loggers=loggers or None)
         return cls(llm, config, load)
 
     @property

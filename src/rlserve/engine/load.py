@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from vllm.config import VllmConfig
-from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
 from rlserve.types import EngineLoad
@@ -53,4 +53,28 @@ class _Recorder(StatLoggerBase):
             self._board.record(engine_idx, scheduler_stats)
 
     def log_engine_initialized(self) -> None:
+        pass
+
+
+class NoPrometheus(PrometheusStatLogger):
+    """Stands in for vLLM's Prometheus logger when nothing scrapes its metrics (no
+    --metrics-port): vLLM adds that logger unless one is given, and it observes histograms for
+    every token. Records nothing."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int] | None = None) -> None:
+        pass
+
+    def record(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def record_sleep_state(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def record_admission_rejection(self, reason: str) -> None:
+        pass
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
         pass
