@@ -37,3 +37,39 @@ def test_package_imports_point_one_way(package):
             if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[package]):
                 bad.append(f"{path.relative_to(SRC)} imports {name}")
     assert not bad, bad
+
+
+# What each layer may load at all, through any chain of imports (a servicer that reaches torch
+# through `convert`, say): checked in a fresh interpreter.
+TRANSITIVELY_FORBIDDEN = {
+    "rlserve.server.servicers": (
+        [
+            "rlserve.server.convert",
+            "rlserve.server.control",
+            "rlserve.server.inference",
+            "rlserve.server.lifecycle",
+            "rlserve.server.access",
+            "rlserve.server.auth",
+            "rlserve.server.metrics",
+            "rlserve.server.listeners",
+        ],
+        ("torch", "vllm"),
+    ),
+    "rlserve.lifecycle": (
+        ["rlserve.lifecycle.controller", "rlserve.lifecycle.weight_updates", "rlserve.lifecycle.loras"],
+        ("torch", "vllm", "grpc"),
+    ),
+}
+
+
+@pytest.mark.parametrize("layer", sorted(TRANSITIVELY_FORBIDDEN))
+def test_layers_load_nothing_below_them_transitively(layer):
+    import subprocess
+    import sys
+
+    modules, forbidden = TRANSITIVELY_FORBIDDEN[layer]
+    code = (
+        f"import sys\nfor m in {modules!r}: __import__(m)\nprint(sorted(m for m in {forbidden!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", f"{layer} loads {out.stdout.strip()}"
