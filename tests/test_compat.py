@@ -154,3 +154,19 @@ async def test_update_info_in_the_object_and_the_list_form(wt_engine, engine_con
             assert (await s.lifecycle.GetState(lpb.GetStateRequest())).weight_version == f"form-{shape}"
         finally:
             trainer.close()
+
+
+async def test_bytes_that_are_no_valid_request_are_invalid_argument(channel, inference):
+    """grpcio answers a request it cannot decode with UNKNOWN; rlserve says INVALID_ARGUMENT."""
+    corrupt = bytes([0x82, 0x01, 0x7F, 0x01])  # field 16, a length past the end
+    # A string field holding bad UTF-8: GenerateRequest.lora_name (15), LoadLoraRequest.lora_name (1).
+    cases = {
+        "/vllm.Inference/Generate": bytes([0x7A, 0x02, 0xFF, 0xFE]),
+        "/vllm.Generate/Generate": bytes([0x7A, 0x02, 0xFF, 0xFE]),
+        "/vllm.Control/LoadLora": bytes([0x0A, 0x02, 0xFF, 0xFE]),
+    }
+    for method, bad_utf8 in cases.items():
+        call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+        for raw in (bad_utf8, corrupt):
+            assert "not a valid request" in await expect(INVALID, call(raw)), (method, raw)
+    assert (await inference.Generate(generate_request("still fine", max_new_tokens=2))).outputs.num_tokens == 2

@@ -232,6 +232,10 @@ async def test_an_adapter_pushed_in_memory_serves_what_vllm_serves_from_disk(s, 
         raise AssertionError("the replaced version is still loaded")
     listed = (await s.control.ListLoras(cpb.ListLorasRequest())).adapters
     assert [a.lora_name for a in listed] == ["policy"]
+    registry = s.server.metrics.registry
+    assert registry.get_sample_value("rlserve_weight_updates_total", {"outcome": "committed"}) == 2
+    refused = {"operation": "start_lora_update", "reason": "NameTaken"}
+    assert registry.get_sample_value("rlserve_weight_update_failures_total", refused) == 1
     await s.control.UnloadLora(cpb.UnloadLoraRequest(lora_name="policy"))
 
 

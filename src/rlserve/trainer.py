@@ -29,6 +29,7 @@ from rlserve.config import DEFAULT_TRANSFER_TIMEOUT_S
 from rlserve.transfer.gloo_group import GlooGroup
 from rlserve.transfer.protocol import (
     DEFAULT_BUCKET_BYTES,
+    DTYPE_BYTES,
     ChunkInfo,
     TensorMeta,
     combined_checksum,
@@ -180,6 +181,9 @@ def plan_sync(
     tensors = dict(_named_tensors(weights, dtype))
     if not tensors:
         raise ValueError("no tensors to sync")
+    unsendable = {n: str(t.dtype) for n, t in tensors.items() if str(t.dtype).removeprefix("torch.") not in DTYPE_BYTES}
+    if unsendable:
+        raise ValueError(f"only {sorted(DTYPE_BYTES)} tensors can be sent: {dict(list(unsendable.items())[:3])}")
     return tensors, _plan_chunks(tensors, chunk_bytes, bucket_bytes)
 
 

@@ -9,11 +9,12 @@ and weight updates are the lifecycle controller's, which calls down into this ad
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-import struct
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import vllm
@@ -33,7 +34,7 @@ from rlserve.engine.process_group import engine_in_own_group
 from rlserve.engine.sampling import ModelLimits, build_prompt_token_ids, build_sampling_params
 from rlserve.engine.transport import WeightTransport, make_transport
 from rlserve.errors import CapabilityMissing, EngineUnavailable, InvalidRequest, UnknownModel
-from rlserve.transfer.manifest import ManifestEntry, lora_misfit, read_manifest
+from rlserve.transfer.manifest import ManifestEntry, lora_config_misfit, lora_misfit, read_manifest
 from rlserve.types import (
     EngineStatus,
     GenerateChunk,
@@ -299,14 +300,21 @@ class EngineAdapter:
         if self._manifest is None:
             try:
                 self._manifest = read_manifest(self._config.model)
-            except FileNotFoundError as e:
+            except (OSError, ValueError) as e:
                 raise CapabilityMissing(f"adapters are checked against a safetensors checkpoint: {e}") from e
         try:
             tensors = read_manifest(path)
-        except (FileNotFoundError, ValueError, KeyError, UnicodeDecodeError, struct.error) as e:
+        except (OSError, ValueError) as e:
             raise InvalidRequest("source_path", f"no readable adapter weights: {e}") from e
         lora = self._llm.vllm_config.lora_config
         problem = lora_misfit(tensors, self._manifest, lora.max_lora_rank if lora is not None else 0)
+        if not problem:
+            try:
+                config = json.loads((Path(path) / "adapter_config.json").read_text())
+            except (OSError, ValueError):
+                config = None  # vLLM says what is wrong with it
+            if isinstance(config, dict):
+                problem = lora_config_misfit(config, tensors)
         if problem:
             raise InvalidRequest("source_path", problem)
 

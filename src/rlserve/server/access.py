@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import text_format
+from google.protobuf.message import DecodeError
 
 from rlserve.caller import CURRENT, Caller
 from rlserve.server.auth import PUBLIC, Credentials, CredentialSource, Listener, Role, rule_for, served_here
@@ -64,7 +65,7 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(
                 unary,
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
@@ -80,7 +81,7 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(
                 stream,
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler  # rlserve serves no client-streaming methods
@@ -96,6 +97,9 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
             self._record(method.rsplit("/", 1)[-1], message, code.name)
             self._observe(method, code.name, 0.0)
             await context.abort(code, message)
+        if isinstance(request, Undecodable):
+            self._observe(method, grpc.StatusCode.INVALID_ARGUMENT.name, 0.0)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a valid request for {method}: {request.error}")
         return caller
 
     def _check(self, method: str, context: grpc.aio.ServicerContext) -> tuple[Caller, Refusal | None]:
@@ -150,7 +154,11 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
 
     @staticmethod
     def _audit(method: str, caller: Caller, request: Any, code: grpc.StatusCode, seconds: float) -> None:
-        args = text_format.MessageToString(request, as_one_line=True, print_unknown_fields=False)
+        args = (
+            str(request)
+            if isinstance(request, Undecodable)
+            else text_format.MessageToString(request, as_one_line=True, print_unknown_fields=False)
+        )
         line = {
             "time": time.time(),
             "peer": caller.peer,
@@ -173,3 +181,27 @@ def _organizational_units(auth: dict) -> list[str]:
             if key == "OU":
                 units.append(value)
     return units
+
+
+class Undecodable:
+    """A request whose bytes are no valid message (bad UTF-8 in a string, a corrupt length):
+    answered INVALID_ARGUMENT once the caller is admitted; grpc's own answer is UNKNOWN."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    def __str__(self) -> str:
+        return f"<undecodable request: {self.error}>"
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def decode(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except DecodeError as e:
+            return Undecodable(str(e)[:200])
+
+    return decode

@@ -462,8 +462,9 @@ def lora_adapter(adapter: types.LoraAdapter) -> control_pb2.LoraAdapter:
     )
 
 
-# An adapter_config.json is a few hundred bytes.
+# An adapter_config.json is a few hundred bytes, with dicts of lists at most.
 MAX_ADAPTER_CONFIG_BYTES = 1 << 16
+MAX_ADAPTER_CONFIG_DEPTH = 4
 
 
 def start_lora_update(req: lifecycle_pb2.StartLoraUpdateRequest) -> tuple[str, str, dict[str, Any], bool]:
@@ -474,4 +475,17 @@ def start_lora_update(req: lifecycle_pb2.StartLoraUpdateRequest) -> tuple[str, s
     config = parse_json_object(
         req.adapter_config_json, "adapter_config_json", ("max_adapter_config_bytes", MAX_ADAPTER_CONFIG_BYTES)
     )
+    if _depth(config) > MAX_ADAPTER_CONFIG_DEPTH:  # it crosses to the workers pickled
+        raise InvalidRequest("adapter_config_json", f"is nested deeper than {MAX_ADAPTER_CONFIG_DEPTH} levels")
     return req.lora_name, req.version, config, req.new_version
+
+
+def _depth(value: Any) -> int:
+    """How deeply JSON containers nest in `value` (without recursion)."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, level = pending.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            pending.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest

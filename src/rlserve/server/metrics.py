@@ -19,10 +19,20 @@ from rlserve.types import PausePhase
 logger = logging.getLogger(__name__)
 
 # Lifecycle operations whose failures are counted by reason.
-WEIGHT_OPERATIONS = frozenset({"init_weight_transfer", "start_weight_update", "update_weights", "finish_weight_update"})
+WEIGHT_OPERATIONS = frozenset(
+    {
+        "init_weight_transfer",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "start_lora_update",
+        "finish_lora_update",
+    }
+)
 # How a weight-update session ended, by the operation during which it ended.
 SESSION_ENDINGS = {
     "finish_weight_update": "committed",
+    "finish_lora_update": "committed",
     "abort_weight_update": "aborted",
     "session_lease_expired": "expired",
 }

@@ -8,10 +8,13 @@ refused before any byte moves; so are LoRA adapters, from disk or pushed by a tr
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
@@ -22,21 +25,51 @@ class ManifestEntry:
     shape: tuple[int, ...]
 
 
+# A safetensors header lists names, dtypes, shapes and offsets: a few MB for the largest models.
+MAX_HEADER_BYTES = 100 << 20
+
+
 def read_manifest(model_dir: str | Path) -> dict[str, ManifestEntry]:
+    """Raises FileNotFoundError when there are no weight files, ValueError for a malformed one
+    (never blocks: only regular files are opened)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {model_dir}")
     manifest: dict[str, ManifestEntry] = {}
     for path in files:
-        with path.open("rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"].lower())
-            manifest[name] = ManifestEntry(dtype, tuple(entry["shape"]))
+        if not path.is_file():  # a directory, a FIFO (open would block), a device
+            raise ValueError(f"{path.name} is not a regular file")
+        manifest.update(_header_entries(path))
     return manifest
+
+
+def _header_entries(path: Path) -> dict[str, ManifestEntry]:
+    with path.open("rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise ValueError(f"{path.name}: too short for a safetensors header")
+        (header_len,) = struct.unpack("<Q", raw_len)
+        if header_len > MAX_HEADER_BYTES:
+            raise ValueError(f"{path.name}: a header of {header_len} bytes is no safetensors header")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"{path.name}: the header is not JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise ValueError(f"{path.name}: the header is not a JSON object")
+    entries: dict[str, ManifestEntry] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape = (entry.get("dtype"), entry.get("shape")) if isinstance(entry, dict) else (None, None)
+        if not isinstance(dtype, str) or not isinstance(shape, list) or not all(_is_dim(d) for d in shape):
+            raise ValueError(f"{path.name}: {name[:100]!r} has no valid dtype and shape")
+        entries[name] = ManifestEntry(SAFETENSORS_DTYPES.get(dtype, dtype.lower()), tuple(shape))
+    return entries
+
+
+def _is_dim(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 40
 
 
 _LORA_TENSOR = re.compile(r"base_model\.model\.(?P<base>.+)\.lora_(?P<part>[AB])\.weight")
@@ -76,3 +109,17 @@ def lora_misfit(tensors: dict[str, ManifestEntry], checkpoint: dict[str, Manifes
         if set(parts) != {"A", "B"} or parts["A"] != parts["B"]:
             return f"{base}: needs lora_A and lora_B of one rank, has {parts}"
     return "" if ranks else "the adapter has no LoRA weights"
+
+
+def lora_config_misfit(config: Mapping[str, Any], tensors: dict[str, ManifestEntry]) -> str:
+    """What in an adapter_config contradicts its tensors: its rank `r` (unless a rank_pattern
+    sets ranks per layer) and a finite `lora_alpha` (the scale is alpha / r)."""
+    rank = config.get("r")
+    if not config.get("rank_pattern"):
+        ranks = {e.shape[0] for n, e in tensors.items() if n.endswith(".lora_A.weight") and len(e.shape) == 2}
+        if not isinstance(rank, int) or isinstance(rank, bool) or ranks != {rank}:
+            return f"adapter_config r={rank!r} but the tensors have rank {sorted(ranks)}"
+    alpha = config.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha) or abs(alpha) > 1e6:
+        return f"adapter_config lora_alpha={alpha!r} is no usable scale"
+    return ""

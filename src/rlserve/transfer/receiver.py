@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from rlserve.transfer.gloo_link import GlooLink
-from rlserve.transfer.manifest import ManifestEntry, lora_misfit, lora_tensor_misfit
+from rlserve.transfer.manifest import ManifestEntry, lora_config_misfit, lora_misfit, lora_tensor_misfit
 from rlserve.transfer.notify import Notifier
 from rlserve.transfer.protocol import ChunkInfo, ErrorCode, InitInfo, WorkerError
 from rlserve.transfer.served import ServedWeights
@@ -190,7 +190,7 @@ class GlooReceiver:
         if staged is None or rank is None:
             raise WorkerError(ErrorCode.WRONG_STATE, "no LoRA update session is open")
         metas = {n: ManifestEntry(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in staged.items()}
-        problem = lora_misfit(metas, self._manifest, rank)
+        problem = lora_misfit(metas, self._manifest, rank) or lora_config_misfit(adapter_config, metas)
         if problem:
             raise WorkerError(ErrorCode.INVALID_INFO, problem)
         path = Path(directory) / str(self._rank_in_server)
