@@ -24,14 +24,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 import torch
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
+from rlserve.client import generate_request
 from rlserve.config import ServeConfig
 from rlserve.trainer import TensorSender, plan_sync
 
-from helpers import free_port, greedy, perturbed, serving
+from helpers import PROMPT, free_port, greedy, perturbed, serving
+from tiny_model import make_tiny_lora
 
 DYNAMO_PYTHON = Path(__file__).resolve().parent.parent / ".venv-dynamo" / "bin" / "python"
 START_S = 120.0
@@ -74,9 +77,9 @@ class Dynamo:
 
 
 @contextlib.asynccontextmanager
-async def dynamo(grpc_target: str, model: str, tmp: Path) -> AsyncIterator[Dynamo]:
+async def dynamo(grpc_target: str, model: str, tmp: Path, **extra_env: str) -> AsyncIterator[Dynamo]:
     system_port, http_port, rl_port = low_free_port(), free_port(), free_port()
-    env = {**os.environ, "DYN_FILE_KV": str(tmp / "discovery"), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "DYN_FILE_KV": str(tmp / "discovery"), "HF_HUB_OFFLINE": "1", **extra_env}
     sidecar_env = {**env, "DYN_SYSTEM_PORT": str(system_port)}
     frontend_env = {**env, "DYN_ENABLE_RL": "true", "DYN_RL_PORT": str(rl_port)}
     logs = tmp / "sidecar.log", tmp / "frontend.log"
@@ -231,3 +234,53 @@ async def test_a_weight_update_driven_through_dynamos_routes(stack, tiny_model_d
     assert await greedy(s.inference) != before
     final = await s.lifecycle.GetState(lpb.GetStateRequest())
     assert final.weights_consistent and final.pause_phase == lpb.PAUSE_PHASE_RUNNING
+
+
+@pytest_asyncio.fixture(scope="module")
+async def lora_engine(engine_config):
+    from rlserve.engine.adapter import EngineAdapter
+
+    adapter = await asyncio.to_thread(
+        EngineAdapter.start, replace(engine_config, enable_lora=True, max_loras=2, max_lora_rank=8)
+    )
+    yield adapter
+    adapter.shutdown()
+
+
+async def test_dynamos_lora_routes_load_serve_and_unload_adapters(lora_engine, engine_config, tmp_path):
+    """With DYN_LORA_ENABLED Dynamo drives Control/LoadLora and UnloadLora, and its frontend
+    serves the adapter as a model of its own, with rlserve's outputs for that adapter."""
+    adapter_dir = make_tiny_lora(tmp_path / "adapter", seed=31)
+    name = engine_config.served_names[0]
+    async with (
+        serving(lora_engine, ServeConfig(engine=replace(engine_config, enable_lora=True))) as s,
+        dynamo(s.target, name, tmp_path, DYN_LORA_ENABLED="true") as d,
+    ):
+        loaded = await asyncio.to_thread(
+            call, f"{d.system}/v1/loras", {"lora_name": "dyn-a", "source": {"uri": f"file://{adapter_dir}"}}
+        )
+        assert loaded.get("status") == "success", loaded
+        listed = (await s.control.ListLoras(cpb.ListLorasRequest())).adapters
+        assert [(a.lora_name, a.lora_id) for a in listed] == [("dyn-a", loaded["lora_id"])]
+        deadline = time.monotonic() + 30
+        while "dyn-a" not in {
+            m["id"] for m in (await asyncio.to_thread(call, f"{d.frontend}/v1/models")).get("data", [])
+        }:
+            assert time.monotonic() < deadline, "the adapter never appeared as a model"
+            await asyncio.sleep(0.3)
+        body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        via_dynamo = await d.openai("/v1/completions", {**body, "model": "dyn-a"})
+        request = generate_request(PROMPT, max_new_tokens=8)
+        request.lora_name = "dyn-a"
+        direct = (await s.inference.Generate(request)).outputs.text
+        base = await d.openai("/v1/completions", {**body, "model": name})
+        assert via_dynamo["choices"][0]["text"] == direct != base["choices"][0]["text"]
+        unloaded = await asyncio.to_thread(_delete, f"{d.system}/v1/loras/dyn-a")
+        assert unloaded.get("status") == "success", unloaded
+        assert not (await s.control.ListLoras(cpb.ListLorasRequest())).adapters
+
+
+def _delete(url: str) -> dict:
+    request = urllib.request.Request(url, method="DELETE")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
