@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
-from rlserve.api.vllm import aliases_pb2_grpc
+from rlserve.api.vllm import aliases_pb2_grpc, control_pb2_grpc
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import inference_pb2 as pb
 from rlserve.client import ChannelCredentials, generate_request, open_aio_channel
@@ -117,17 +117,13 @@ async def test_shutdown_is_an_admin_call_that_stops_the_server(engine, engine_co
     config = ServeConfig(engine=engine_config, security=SecurityConfig(auth_tokens_file=tokens))
     async with serving(engine, config) as s:
         async with open_aio_channel(s.target, ChannelCredentials(token=READ_TOKEN)) as ch:
-            await expect(grpc.StatusCode.PERMISSION_DENIED, cpb_stub(ch).Shutdown(cpb.ShutdownRequest()))
+            await expect(
+                grpc.StatusCode.PERMISSION_DENIED, control_pb2_grpc.ControlStub(ch).Shutdown(cpb.ShutdownRequest())
+            )
         assert not s.server.shutdown_requested.is_set()
         async with open_aio_channel(s.target, ChannelCredentials(token=ADMIN_TOKEN)) as ch:
-            await cpb_stub(ch).Shutdown(cpb.ShutdownRequest())
+            await control_pb2_grpc.ControlStub(ch).Shutdown(cpb.ShutdownRequest())
         await asyncio.wait_for(s.server.shutdown_requested.wait(), 5)
-
-
-def cpb_stub(channel):
-    from rlserve.api.vllm import control_pb2_grpc
-
-    return control_pb2_grpc.ControlStub(channel)
 
 
 @pytest.mark.parametrize("shape", ["object", "list"])

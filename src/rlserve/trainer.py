@@ -139,7 +139,7 @@ class TensorSender:
             self.broadcast(chunk, tensors, bar or _NoBar())
             return True
         except RuntimeError:
-            self._group = None
+            self.forget()
             raise
 
     def broadcast(self, chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor], bar: Any) -> None:
@@ -246,17 +246,8 @@ class WeightSync:
         """Push `weights` (names as in the served HF checkpoint; a subset updates only those)
         and publish `version`."""
         mode = PauseMode(pause_mode)
-        state = self._lifecycle.GetState(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
-        # Sent in the dtype the server computes with: what it serves is then what was sent.
-        tensors, chunks = plan_sync(
-            weights,
-            getattr(torch, state.weight_dtype, None),
-            chunk_bytes=self._chunk_bytes,
-            bucket_bytes=self._bucket_bytes,
-        )
+        tensors, chunks = self._prepare(weights)
         num_bytes = sum(c.num_bytes for c in chunks)
-        if self._sender is None or not self._sender.joined or not state.transport_ready:
-            self.init()
         control, rpc_s = self._client.control, self._rpc_timeout_s
         t_pause = time.perf_counter()
         control.PauseGeneration(cpb.PauseGenerationRequest(mode=PAUSE_MODES[mode]), timeout=self._pause_timeout_s)
@@ -303,15 +294,7 @@ class WeightSync:
         they started with. `new_version` replaces an adapter already loaded under `name`;
         without it a loaded name is refused. Raises WeightSyncError (the old version, if
         any, keeps serving)."""
-        state = self._lifecycle.GetState(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
-        tensors, chunks = plan_sync(
-            adapter,
-            getattr(torch, state.weight_dtype, None),
-            chunk_bytes=self._chunk_bytes,
-            bucket_bytes=self._bucket_bytes,
-        )
-        if self._sender is None or not self._sender.joined or not state.transport_ready:
-            self.init()
+        tensors, chunks = self._prepare(adapter)
         start = lifecycle_pb2.StartLoraUpdateRequest(
             lora_name=name,
             version=version,
@@ -343,6 +326,20 @@ class WeightSync:
     def close(self) -> None:
         self._sender = None
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _prepare(self, weights: NamedTensors) -> tuple[dict[str, torch.Tensor], list[ChunkInfo]]:
+        """The tensors and chunks to send, and a usable transport (a rendezvous if needed)."""
+        state = self._lifecycle.GetState(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
+        # Sent in the dtype the server computes with: what it serves is then what was sent.
+        tensors, chunks = plan_sync(
+            weights,
+            getattr(torch, state.weight_dtype, None),
+            chunk_bytes=self._chunk_bytes,
+            bucket_bytes=self._bucket_bytes,
+        )
+        if self._sender is None or not self._sender.joined or not state.transport_ready:
+            self.init()
+        return tensors, chunks
 
     def _step_timeout_s(self, num_bytes: int) -> float:
         return self._timeout_s * (1 + num_bytes // BYTES_PER_TIMEOUT) + RPC_MARGIN_S

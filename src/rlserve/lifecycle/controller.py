@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -104,23 +104,24 @@ class LifecycleController:
 
     # Generation -------------------------------------------------------------------------
 
-    async def generate(self, params: GenerateParams) -> AsyncIterator[GenerateChunk]:
+    def generate(self, params: GenerateParams) -> AsyncGenerator[GenerateChunk, None]:
         """Validate, hold while paused, hand to the engine, stream its outputs. Every request
         ends with a terminal chunk or an error, also one aborted while held. A request naming
-        a LoRA adapter keeps it loaded until it ends."""
-        if not params.lora_name:
-            async for chunk in self._generate(params, None):
-                yield chunk
-            return
+        a LoRA adapter keeps it loaded until it ends. (No wrapper around the base-model
+        stream: one async generator less per token.)"""
+        return self._generate(params, None) if not params.lora_name else self._generate_with_lora(params)
+
+    async def _generate_with_lora(self, params: GenerateParams) -> AsyncGenerator[GenerateChunk, None]:
         if not self._engine.lora_enabled:
             raise InvalidRequest("lora_name", "LoRA adapters are not enabled on this server (--enable-lora)")
         with self._loras.using(params.lora_name) as lora:
-            async for chunk in self._generate(params, lora):
-                if chunk.sequence.finish is not None:  # say which adapter version sampled it
-                    chunk = replace(chunk, sequence=replace(chunk.sequence, lora_version=lora.version))
-                yield chunk
+            async with contextlib.aclosing(self._generate(params, lora)) as chunks:
+                async for chunk in chunks:
+                    if chunk.sequence.finish is not None:  # say which adapter version sampled it
+                        chunk = replace(chunk, sequence=replace(chunk.sequence, lora_version=lora.version))
+                    yield chunk
 
-    async def _generate(self, params: GenerateParams, lora: LoraAdapter | None) -> AsyncIterator[GenerateChunk]:
+    async def _generate(self, params: GenerateParams, lora: LoraAdapter | None) -> AsyncGenerator[GenerateChunk, None]:
         request = await self._engine.prepare(params, lora)
         ticket = Ticket(params.request_id, request.num_bytes)
         if not await self._gate.admit(ticket):

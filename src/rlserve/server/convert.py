@@ -226,7 +226,8 @@ def generate_response(chunk: types.GenerateChunk, params: types.GenerateParams) 
         out.weight_version_spans.append(
             rlserve_pb2.WeightVersionSpan(weight_version=span.weight_version, start=span.start, end=span.end)
         )
-    out.lora_version = seq.lora_version
+    if seq.lora_version:
+        out.lora_version = seq.lora_version
     return resp
 
 
