@@ -68,6 +68,24 @@ async def test_wrongly_typed_native_params_are_refused_and_the_engine_lives_on(c
     await still_serving(inference, control)
 
 
+async def seeded(inference, prompt: list[int], seed: int) -> list[int]:
+    request = generate_request(prompt, max_new_tokens=8, temperature=1.0, sampling=pb.RandomSampling(seed=seed))
+    return list((await inference.Generate(request, timeout=120)).outputs.token_ids)
+
+
+async def test_seeded_requests_whose_prefill_is_split_keep_the_engine_alive(inference, control):
+    """Concurrent seeded prompts overflow one step's token budget, so some prefills are split
+    across steps. vLLM then rewinds the seeded generator of a request whose sampled token it
+    throws away, and a CPU generator has no offset: upstream's rewind raised and killed the
+    engine (found by `rlserve demo`). A seed still means the same tokens, split or not."""
+    prompts = [[100 + (7 * i + j) % 4000 for j in range(450)] for i in range(12)]
+    together = await asyncio.gather(*(seeded(inference, p, seed=i) for i, p in enumerate(prompts)))
+    assert all(len(t) == 8 for t in together)
+    alone = [await seeded(inference, p, seed=i) for i, p in enumerate(prompts[:3])]
+    assert alone == together[:3]
+    await still_serving(inference, control)
+
+
 async def test_a_repetition_finish_is_a_stop(inference):
     """vLLM's repetition detection ends a request with its own finish reason; it is a
     legitimate stop, not an engine failure."""
