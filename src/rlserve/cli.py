@@ -117,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the engine without scheduler stats: no vllm:* metrics, and GetLoad is refused",
     )
+    from rlserve.rl import demo
+
+    d = sub.add_parser(
+        "demo",
+        help="train a policy with GRPO through rlserve (starts a server unless --server is given)",
+        description=demo.__doc__,
+        epilog=f"An authenticated server: the admin token comes from ${demo.TOKEN_ENV}. See docs/rl-loop.md.",
+    )
+    demo.add_arguments(d)
     return parser
 
 
@@ -182,6 +191,10 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from rlserve.rl import demo
+
+        return demo.run(args)
     try:
         config = serve_config(args)
     except ValueError as e:

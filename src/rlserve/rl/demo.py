@@ -1,0 +1,174 @@
+"""`rlserve demo`: GRPO on the default model against a live rlserve, with a live display, a
+JSON-lines log and a plot. A thin layer over `rlserve.rl`: arguments in, a server started
+(unless --server names one), the loop run, the report written."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+TOKEN_ENV = "RLSERVE_TOKEN"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", default="", help="HOST:PORT of a running rlserve (default: start one)")
+    p.add_argument("--model", default="", help="HF model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="where the default model is converted")
+    p.add_argument("--dtype", default="float32", help="the started server's dtype (the trainer trains in float32)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--minutes", type=float, default=10.0, help="stop after this long (0: no limit)")
+    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: the loop's)")
+    p.add_argument("--async", dest="asynchronous", action="store_true", help="generate while training")
+    p.add_argument("--max-staleness", type=int, default=None, help="versions (default: 1 with --async, else 0)")
+    p.add_argument("--max-operand", type=int, default=9, help="sums of numbers up to this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("rlserve-demo"), help="log, plot and server log go here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rlserve.client import ChannelCredentials
+    from rlserve.model_cache import default_model_dir
+
+    model_dir = Path(args.model) if args.model else default_model_dir(args.cache_dir)
+    args.out.mkdir(parents=True, exist_ok=True)
+    token = os.environ.get(TOKEN_ENV)
+    credentials = ChannelCredentials(token=token) if token else None
+    with contextlib.ExitStack() as stack:
+        target = args.server or stack.enter_context(started_server(model_dir, args.dtype, args.out / "server.log"))
+        return _train(args, model_dir, target, credentials)
+
+
+def _train(args: argparse.Namespace, model_dir: Path, target: str, credentials) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlserve.rl.loop import GrpoConfig, GrpoLoop, Policy
+    from rlserve.rl.report import Progress, StepLog, plot
+    from rlserve.rl.rollout import SamplingConfig
+    from rlserve.rl.tasks import Arithmetic
+
+    torch.manual_seed(args.seed)
+    staleness = args.max_staleness if args.max_staleness is not None else int(args.asynchronous)
+    defaults = GrpoConfig()
+    config = GrpoConfig(
+        prompts_per_step=args.prompts_per_step,
+        sampling=SamplingConfig(group_size=args.group_size, max_new_tokens=args.max_new_tokens),
+        lr=args.lr if args.lr is not None else defaults.lr,
+        asynchronous=args.asynchronous,
+        max_staleness=staleness,
+        seed=args.seed,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    policy = Policy(model, AutoTokenizer.from_pretrained(model_dir), lr=config.lr, keep_versions=staleness)
+    loop = GrpoLoop(
+        policy, Arithmetic(seed=args.seed, max_operand=args.max_operand), target, config, credentials=credentials
+    )
+    progress, log = Progress(), StepLog(args.out / "steps.jsonl")
+    stop = threading.Event()
+
+    def interrupted(*_: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        progress.message("stopping after this step (Ctrl-C again to stop now)")
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    mode = f"async, max staleness {staleness}" if args.asynchronous else "synchronous"
+    progress.message(f"GRPO on {model_dir.name} via rlserve at {target} ({mode}); log: {log.path}")
+
+    def on_step(record) -> None:
+        log.write(record)
+        progress.step(record)
+
+    try:
+        loop.run(
+            args.steps,
+            max_seconds=args.minutes * 60 or None,
+            on_step=on_step,
+            on_phase=progress.phase,
+            stop=stop,
+        )
+    except KeyboardInterrupt:
+        progress.message("stopped")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        log.close()
+        loop.close()
+        picture = plot(loop.records, args.out / "demo.png", title=f"GRPO on {model_dir.name} via rlserve ({mode})")
+        progress.message(_summary(loop.records) + f"\nplot: {picture}  log: {log.path}")
+    return 0
+
+
+def _summary(records) -> str:
+    if not records:
+        return "no step finished"
+    k = max(1, len(records) // 5)
+    first = sum(r.reward_mean for r in records[:k]) / k
+    last = sum(r.reward_mean for r in records[-k:]) / k
+    minutes = records[-1].elapsed_s / 60
+    sync = sorted(r.sync_s for r in records)[len(records) // 2]
+    return (
+        f"{len(records)} steps in {minutes:.1f} min ({len(records) / max(minutes, 1e-9):.1f}/min); "
+        f"reward {first:.2f} -> {last:.2f} (mean of the first and last {k} steps); sync p50 {sync:.2f} s; "
+        f"|Δlogp| max {max(r.logprob_diff_max for r in records):.1e}"
+    )
+
+
+@contextlib.contextmanager
+def started_server(model_dir: Path, dtype: str, log_path: Path):
+    """`rlserve serve` with the rlserve_gloo backend on a free loopback port, in a process
+    group of its own (a Ctrl-C meant for the demo does not reach it); stopped on exit."""
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "rlserve", "serve", "--model", str(model_dir), "--port", str(port),
+        "--dtype", dtype, "--weight-transfer-backend", "rlserve_gloo", "--max-model-len", "1024",
+    ]  # fmt: skip
+    with log_path.open("w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, process_group=0)
+    target = f"127.0.0.1:{port}"
+    try:
+        _wait_serving(target, server, log_path)
+        yield target
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _wait_serving(target: str, server: subprocess.Popen, log_path: Path, timeout_s: float = 600.0) -> None:
+    import grpc
+
+    from rlserve.client import Client
+
+    print(f"starting rlserve on {target} (log: {log_path}) ...", flush=True)
+    deadline = time.monotonic() + timeout_s
+    with Client(target) as client:
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"the server exited with {server.returncode}; see {log_path}")
+            try:
+                client.wait_ready(timeout_s=5.0)
+                return
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

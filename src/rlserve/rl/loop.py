@@ -1,0 +1,371 @@
+"""The RL loop: rollout -> score -> train -> sync, on one rlserve server.
+
+`Policy` is the trainer's copy of the model (optimizer, version, recent weights); `GrpoLoop`
+drives it against a server. Synchronous mode samples every batch with the weights just
+synced; asynchronous mode keeps a rollout thread generating while the trainer trains and
+syncs (pause KEEP: requests in flight carry on under the new weights), and the loss drops
+tokens more than `max_staleness` versions old and importance-weights the rest.
+
+Every step also measures train/inference agreement: the trainer's logprobs of sampled tokens,
+under the weights of the version that sampled them, against the logprobs rlserve returned.
+A missed weight update, a wrong version label or a repacking bug shows up there as a jump.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from rlserve.client import AsyncClient, ChannelCredentials, Client
+from rlserve.rl.grpo import completion_logprobs, group_advantages, grpo_loss
+from rlserve.rl.rollout import Rollout, SamplingConfig, sample_batch
+from rlserve.rl.tasks import Problem, Task
+from rlserve.trainer import SyncStats, WeightSync
+from rlserve.types import PauseMode
+
+
+@dataclass(frozen=True)
+class GrpoConfig:
+    prompts_per_step: int = 8
+    sampling: SamplingConfig = SamplingConfig()
+    lr: float = 5e-6
+    clip: float = 0.2
+    max_grad_norm: float = 1.0
+    # Asynchronous mode: rollouts keep running while the trainer trains and syncs.
+    asynchronous: bool = False
+    # Tokens sampled more than this many versions before the trainer's get no gradient.
+    max_staleness: int = 0
+    # The training pass in bfloat16 autocast (the agreement check is always float32).
+    train_bf16: bool = True
+    # Rollouts per step re-scored in float32 under the weights of the version that sampled
+    # each token, and the largest |logprob difference| that still counts as agreement.
+    agreement_sample: int = 16
+    agreement_tolerance: float = 1e-3
+    seed: int = 0
+
+
+@dataclass
+class StepRecord:
+    step: int
+    version: str  # published at the end of the step
+    reward_mean: float
+    reward_std: float
+    completion_tokens: int
+    rollout_s: float  # waiting for rollouts (async: only what the trainer waited)
+    train_s: float
+    sync_s: float  # pause -> resume on the server
+    transfer_s: float
+    tokens_per_s: float
+    token_versions: dict[str, int]  # completion tokens per weight version that sampled them
+    staleness_mean: float
+    staleness_max_used: int
+    tokens_used: int
+    tokens_dropped: int
+    logprob_diff_mean: float  # |trainer - server| over tokens of single-version sequences
+    logprob_diff_max: float
+    agreement_tokens: int
+    agreement_ok: bool  # logprob_diff_max within the tolerance
+    mixed_sequences: int  # sampled across a weight update (KEEP): their KV came from both
+    mixed_diff_max: float
+    loss: float
+    clipped_fraction: float
+    elapsed_s: float
+    sample: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+class Policy:
+    """The trainer's model, its optimizer, the version it is at, and the weights of the last
+    `keep_versions` versions before it (to re-score stale rollouts under the weights that
+    sampled them)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, *, lr: float, keep_versions: int = 0) -> None:
+        self.model, self.tokenizer = model.float().train(), tokenizer
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+        self.version = 0
+        self._keep = keep_versions
+        self._history: dict[int, dict[str, torch.Tensor]] = {}
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        turns = [{"role": "system", "content": problem.system}] if problem.system else []
+        turns.append({"role": "user", "content": problem.question})
+        ids = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def weights_of(self, version: int) -> dict[str, torch.Tensor] | None:
+        """The weights of an earlier version, if still kept."""
+        return self._history.get(version)
+
+    def step(self, loss: torch.Tensor, max_grad_norm: float) -> None:
+        """One optimizer step on `loss`; the version counts one up (publish it next)."""
+        if self._keep:
+            self._history[self.version] = _copy_weights(self.model)
+            for old in [v for v in self._history if v <= self.version - self._keep]:
+                del self._history[old]
+        self.optimizer.zero_grad(set_to_none=True)
+        if loss.requires_grad:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
+            self.optimizer.step()
+        self.version += 1
+
+
+def _copy_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the state dict in which tied tensors (embedding and output head) stay one."""
+    copies: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in copies:
+            copies[tensor.data_ptr()] = tensor.detach().clone()
+        out[name] = copies[tensor.data_ptr()]
+    return out
+
+
+@dataclass
+class Agreement:
+    diffs: list[float] = field(default_factory=list)
+    mixed: int = 0
+    mixed_max: float = 0.0
+
+    def add(self, trainer: torch.Tensor, rollout: Rollout) -> None:
+        diff = (trainer.detach() - torch.tensor(rollout.logprobs)).abs()
+        if len(set(rollout.versions)) > 1:
+            self.mixed += 1
+            self.mixed_max = max(self.mixed_max, float(diff.max()))
+        else:
+            self.diffs.extend(diff.tolist())
+
+
+SyncFn = Callable[[torch.nn.Module, str], SyncStats]
+
+
+class GrpoLoop:
+    """GRPO against the rlserve server at `target`. `sync(model, version)` publishes the
+    trainer's weights; the default pushes them with the SDK (`WeightSync`, pause KEEP)."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        task: Task,
+        target: str,
+        config: GrpoConfig = GrpoConfig(),
+        *,
+        credentials: ChannelCredentials | None = None,
+        sync: SyncFn | None = None,
+    ) -> None:
+        if config.max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0")
+        self.policy, self.task, self.config = policy, task, config
+        self._target, self._credentials = target, credentials
+        self._client = Client(target, credentials=credentials)
+        self._weight_sync = WeightSync(self._client)
+        self._sync = sync or self._push
+        self.records: list[StepRecord] = []
+
+    def close(self) -> None:
+        self._weight_sync.close()
+        self._client.close()
+
+    def _push(self, model: torch.nn.Module, version: str) -> SyncStats:
+        return self._weight_sync.sync(model, version, pause_mode=PauseMode.KEEP)
+
+    def publish_initial(self) -> SyncStats:
+        """Make the server serve the trainer's weights as version 0 (checked by digest)."""
+        self._client.wait_ready()
+        return self._push(self.policy.model, str(self.policy.version))
+
+    def run(
+        self,
+        steps: int,
+        *,
+        max_seconds: float | None = None,
+        on_step: Callable[[StepRecord], None] | None = None,
+        on_phase: Callable[[str], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> list[StepRecord]:
+        """`steps` steps (or until `max_seconds` or `stop`); the initial publish first."""
+        stop = stop or threading.Event()
+        phase = on_phase or (lambda _: None)
+        phase("publishing the initial weights")
+        self.publish_initial()
+        t_start = time.perf_counter()
+        with self._rollouts(stop) as next_batch:
+            for step in range(1, steps + 1):
+                if stop.is_set() or (max_seconds is not None and time.perf_counter() - t_start > max_seconds):
+                    break
+                phase(f"step {step}: rollouts")
+                t0 = time.perf_counter()
+                rollouts, sample_s = next_batch()
+                rollout_s = time.perf_counter() - t0
+                phase(f"step {step}: training on {len(rollouts)} completions")
+                record = self._train_and_sync(step, rollouts, rollout_s, sample_s, phase)
+                record.elapsed_s = time.perf_counter() - t_start
+                self.records.append(record)
+                if on_step:
+                    on_step(record)
+        return self.records
+
+    # -- rollouts -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _rollouts(self, stop: threading.Event):
+        """`next_batch() -> (rollouts, seconds the batch took to sample)`: sampled on demand
+        (sync), or by a thread that samples ahead while the trainer trains (async)."""
+        loop = asyncio.new_event_loop()
+
+        async def open_client() -> AsyncClient:  # a grpc.aio channel belongs to the loop it was made on
+            return AsyncClient(self._target, credentials=self._credentials)
+
+        client = loop.run_until_complete(open_client())
+        batches = itertools.count()
+
+        async def one_batch() -> tuple[list[Rollout], float]:
+            """A batch of new problems; aborted sequences (the server was paused with ABORT)
+            are dropped, and a batch with nothing left is sampled again, up to three times."""
+            t0 = time.perf_counter()
+            for _ in range(3):
+                problems = self.task.problems(self.config.prompts_per_step)
+                ids = [self.policy.prompt_ids(p) for p in problems]
+                seed = self.config.seed * 1_000_003 + next(batches) * self.config.prompts_per_step
+                rollouts = await sample_batch(client, problems, ids, self.config.sampling, seed)
+                kept = [r for r in rollouts if r.finish != "ABORTED" and r.num_tokens]
+                if kept:
+                    return kept, time.perf_counter() - t0
+            raise RuntimeError("three batches in a row came back aborted: is the server being paused with ABORT?")
+
+        if not self.config.asynchronous:
+            try:
+                yield lambda: loop.run_until_complete(one_batch())
+            finally:
+                loop.run_until_complete(client.close())
+                loop.close()
+            return
+
+        # A batch starts only when the trainer takes one: with K credits, at most K batches
+        # are sampled ahead of the one in training, so no token is more than K versions old
+        # when it is trained on (the loss still drops any that are).
+        ahead = max(1, self.config.max_staleness)
+        credits = threading.Semaphore(ahead)
+        ready: queue.Queue = queue.Queue()
+
+        def produce() -> None:
+            asyncio.set_event_loop(loop)
+            while not stop.is_set():
+                if not credits.acquire(timeout=0.2):
+                    continue
+                try:
+                    ready.put(loop.run_until_complete(one_batch()))
+                except Exception as e:  # handed to the trainer, which raises it
+                    ready.put(e)
+                    return
+
+        def next_batch() -> tuple[list[Rollout], float]:
+            while True:
+                with contextlib.suppress(queue.Empty):
+                    item = ready.get(timeout=0.5)
+                    if isinstance(item, Exception):
+                        raise item
+                    credits.release()
+                    return item
+                if not producer.is_alive():
+                    raise RuntimeError("the rollout thread stopped")
+
+        producer = threading.Thread(target=produce, name="rlserve-rollouts", daemon=True)
+        producer.start()
+        try:
+            yield next_batch
+        finally:
+            stop.set()
+            producer.join(timeout=self.config.sampling.timeout_s)
+            if not producer.is_alive():
+                loop.run_until_complete(client.close())
+                loop.close()
+
+    # -- train and sync -------------------------------------------------------------------
+
+    def _train_and_sync(
+        self, step: int, rollouts: list[Rollout], rollout_s: float, sample_s: float, phase
+    ) -> StepRecord:
+        policy, cfg = self.policy, self.config
+        for r in rollouts:
+            r.reward = self.task.reward(r.problem, r.text)
+        group_advantages(rollouts)
+        t0 = time.perf_counter()
+        agreement = self._agreement(rollouts)
+        # A rollout with no advantage (its group scored alike) adds nothing to the gradient.
+        learning = [r for r in rollouts if r.advantage != 0.0]
+        logprobs = completion_logprobs(policy.model, learning, policy.pad_id, bf16=cfg.train_bf16) if learning else []
+        loss, stats = grpo_loss(
+            logprobs, learning, current_version=policy.version, max_staleness=cfg.max_staleness, clip=cfg.clip
+        )
+        staleness = [policy.version - int(v) for r in rollouts for v in r.versions]
+        policy.step(loss, cfg.max_grad_norm)
+        train_s = time.perf_counter() - t0
+        phase(f"step {step}: syncing version {policy.version}")
+        synced = self._sync(policy.model, str(policy.version))
+        rewards = [r.reward for r in rollouts]
+        mean = sum(rewards) / len(rewards)
+        tokens = sum(r.num_tokens for r in rollouts)
+        diffs = agreement.diffs
+        worst = max(diffs + [agreement.mixed_max], default=0.0)
+        return StepRecord(
+            step=step,
+            version=str(policy.version),
+            reward_mean=mean,
+            reward_std=(sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5,
+            completion_tokens=tokens,
+            rollout_s=rollout_s,
+            train_s=train_s,
+            sync_s=synced.pause_to_resume_s,
+            transfer_s=synced.transfer_s,
+            tokens_per_s=tokens / sample_s if sample_s > 0 else 0.0,
+            token_versions=dict(Counter(v for r in rollouts for v in r.versions)),
+            staleness_mean=sum(staleness) / len(staleness) if staleness else 0.0,
+            staleness_max_used=stats.max_staleness_used,
+            tokens_used=stats.tokens_used,
+            tokens_dropped=stats.tokens_dropped,
+            logprob_diff_mean=sum(diffs) / len(diffs) if diffs else 0.0,
+            logprob_diff_max=max(diffs, default=0.0),
+            agreement_tokens=len(diffs),
+            agreement_ok=worst <= cfg.agreement_tolerance if diffs else True,
+            mixed_sequences=agreement.mixed,
+            mixed_diff_max=agreement.mixed_max,
+            loss=stats.loss,
+            clipped_fraction=stats.clipped_fraction,
+            elapsed_s=0.0,
+            sample=rollouts[0].text if rollouts else "",
+        )
+
+    def _agreement(self, rollouts: Sequence[Rollout]) -> Agreement:
+        """A spread sample of the rollouts, every token scored in float32 under the weights of
+        the version that sampled it (the current weights, or kept ones of an older version;
+        a token of a version no longer kept is skipped)."""
+        policy, n = self.policy, self.config.agreement_sample
+        sample = list(rollouts[:: max(1, len(rollouts) // n)])[:n] if n else []
+        by_version: dict[str, list[Rollout]] = {}
+        for r in sample:
+            for v in set(r.versions):
+                by_version.setdefault(v, []).append(r)
+        scored: dict[tuple[int, str], torch.Tensor] = {}
+        with torch.no_grad():
+            for v, members in by_version.items():
+                weights = None if int(v) == policy.version else policy.weights_of(int(v))
+                if weights is None and int(v) != policy.version:
+                    continue
+                for r, lp in zip(members, completion_logprobs(policy.model, members, policy.pad_id, weights)):
+                    scored[id(r), v] = lp
+        agreement = Agreement()
+        for r in sample:
+            if all((id(r), v) in scored for v in set(r.versions)):
+                agreement.add(torch.stack([scored[id(r), v][i] for i, v in enumerate(r.versions)]), r)
+        return agreement

@@ -1,0 +1,125 @@
+"""Rollouts through rlserve: groups of sampled completions with the logprob and the weight
+version behind every token, as the server reports them.
+
+One GenerateStream per prompt asks for the whole group (num_sequences), so the engine
+prefills the prompt once; tokens arrive per sequence and the final message of each carries
+its weight-version spans. A token's version is read from those spans, never assumed: a
+request kept across a weight update (pause KEEP) has tokens of two versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from rlserve.api.vllm import inference_pb2 as pb
+from rlserve.client import AsyncClient, generate_request
+from rlserve.rl.tasks import Problem
+
+
+@dataclass
+class Rollout:
+    """One sampled completion of `problem`'s prompt; `group` numbers the prompt in its batch."""
+
+    problem: Problem
+    group: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # the server's, one per completion token
+    versions: list[str]  # the weight version that sampled each completion token
+    text: str
+    finish: str
+    reward: float = 0.0
+    advantage: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.completion_ids)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    group_size: int = 8
+    max_new_tokens: int = 16
+    # Logprobs are vLLM's raw ones (before temperature); at 1.0 they are what was sampled from.
+    temperature: float = 1.0
+    timeout_s: float = 300.0
+
+
+def versions_from_spans(spans: Sequence, num_tokens: int) -> list[str]:
+    """One version per output token from the spans of a finished sequence; raises ValueError
+    when the spans do not cover exactly tokens [0, num_tokens)."""
+    versions: list[str] = []
+    for span in sorted(spans, key=lambda s: s.start):
+        if span.start != len(versions) or span.end < span.start:
+            raise ValueError(f"weight-version spans do not tile the output: {list(spans)}")
+        versions.extend([span.weight_version] * (span.end - span.start))
+    if len(versions) != num_tokens:
+        raise ValueError(f"weight-version spans cover {len(versions)} of {num_tokens} tokens")
+    return versions
+
+
+async def sample_group(
+    client: AsyncClient, problem: Problem, group: int, prompt_ids: list[int], config: SamplingConfig, seed: int | None
+) -> list[Rollout]:
+    """`config.group_size` completions of one prompt, in sequence order."""
+    sampling = pb.RandomSampling(num_sequences=config.group_size)
+    if seed is not None:
+        sampling.seed = seed
+    request = generate_request(
+        prompt_ids,
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        output_logprobs=True,
+        sampling=sampling,
+    )
+    parts = {i: ([], [], []) for i in range(config.group_size)}
+    finals: dict[int, pb.SequenceOutput] = {}
+    async for message in client.stream(request, timeout_s=config.timeout_s):
+        out = message.outputs
+        ids, logprobs, texts = parts[out.index]
+        ids.extend(out.token_ids)
+        logprobs.extend(out.logprobs)
+        texts.append(out.text)
+        if out.HasField("finish_info"):
+            finals[out.index] = out
+    if len(finals) != config.group_size:
+        raise RuntimeError(f"the stream ended with {len(finals)} of {config.group_size} sequences finished")
+    rollouts = []
+    for i in range(config.group_size):
+        ids, logprobs, texts = parts[i]
+        if len(logprobs) != len(ids):
+            raise RuntimeError(f"sequence {i}: {len(logprobs)} logprobs for {len(ids)} tokens")
+        final = finals[i]
+        rollouts.append(
+            Rollout(
+                problem=problem,
+                group=group,
+                prompt_ids=list(prompt_ids),
+                completion_ids=ids,
+                logprobs=logprobs,
+                versions=versions_from_spans(final.weight_version_spans, len(ids)),
+                text="".join(texts),
+                finish=pb.FinishInfo.FinishReason.Name(final.finish_info.finish_reason),
+            )
+        )
+    return rollouts
+
+
+async def sample_batch(
+    client: AsyncClient,
+    problems: Sequence[Problem],
+    prompt_ids: Sequence[list[int]],
+    config: SamplingConfig,
+    seed: int | None = None,
+) -> list[Rollout]:
+    """A group for every problem, all in flight at once (the engine batches them)."""
+    groups = await asyncio.gather(
+        *(
+            sample_group(client, p, g, ids, config, None if seed is None else seed + g)
+            for g, (p, ids) in enumerate(zip(problems, prompt_ids, strict=True))
+        )
+    )
+    return [r for group in groups for r in group]
