@@ -140,17 +140,34 @@ async def test_async_mode_never_trains_on_a_token_older_than_its_bound(rl_server
 
 async def test_the_demo_cli_writes_its_log_and_plot(rl_server, tiny_model_dir, tmp_path):
     out = tmp_path / "demo"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rlserve", "demo", "--server", rl_server.target, "--model", str(tiny_model_dir),
-        "--steps", "2", "--minutes", "0", "--prompts-per-step", "2", "--group-size", "4", "--out", str(out),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
-    output, _ = await asyncio.wait_for(proc.communicate(), timeout=300)
-    assert proc.returncode == 0, output.decode()[-3000:]
+    rc, output = await demo("--server", rl_server.target, "--model", str(tiny_model_dir), "--steps", "2",
+                            "--minutes", "0", "--prompts-per-step", "2", "--group-size", "4", "--out", str(out))  # fmt: skip
+    assert rc == 0, output[-3000:]
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     assert [s["version"] for s in steps] == ["1", "2"]
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "2 steps" in output.decode()
+    assert "2 steps" in output
+
+
+async def demo(*args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rlserve", "demo", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    output, _ = await asyncio.wait_for(proc.communicate(), timeout=300)
+    return proc.returncode, output.decode()
+
+
+async def test_the_demo_against_a_server_without_a_transfer_backend_says_so(server, tiny_model_dir, tmp_path):
+    rc, output = await demo("--server", f"127.0.0.1:{server.port}", "--model", str(tiny_model_dir), "--steps", "1",
+                            "--minutes", "0", "--out", str(tmp_path))  # fmt: skip
+    assert rc == 1, output[-2000:]
+    assert "weight-transfer" in output and "Traceback" not in output, output[-2000:]
+    assert (tmp_path / "demo.png").exists()
+
+
+async def test_the_demo_refuses_arguments_that_cannot_work():
+    rc, output = await demo("--server", "127.0.0.1:1", "--group-size", "1")
+    assert rc == 2 and "--group-size" in output
 
 
 # -- without an engine --------------------------------------------------------------------

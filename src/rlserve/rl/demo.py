@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    problem = _misfit(args)
+    if problem:
+        print(f"rlserve demo: {problem}", file=sys.stderr)
+        return 2
     from rlserve.client import ChannelCredentials
     from rlserve.model_cache import default_model_dir
 
@@ -50,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, model_dir: Path, target: str, credentials) -> int:
+    import grpc
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -57,6 +62,7 @@ def _train(args: argparse.Namespace, model_dir: Path, target: str, credentials) 
     from rlserve.rl.report import Progress, StepLog, plot
     from rlserve.rl.rollout import SamplingConfig
     from rlserve.rl.tasks import Arithmetic
+    from rlserve.trainer import WeightSyncError
 
     torch.manual_seed(args.seed)
     staleness = args.max_staleness if args.max_staleness is not None else int(args.asynchronous)
@@ -86,6 +92,7 @@ def _train(args: argparse.Namespace, model_dir: Path, target: str, credentials) 
     previous = signal.signal(signal.SIGINT, interrupted)
     mode = f"async, max staleness {staleness}" if args.asynchronous else "synchronous"
     progress.message(f"GRPO on {model_dir.name} via rlserve at {target} ({mode}); log: {log.path}")
+    status = 0
 
     def on_step(record) -> None:
         log.write(record)
@@ -101,13 +108,28 @@ def _train(args: argparse.Namespace, model_dir: Path, target: str, credentials) 
         )
     except KeyboardInterrupt:
         progress.message("stopped")
+    except (grpc.RpcError, WeightSyncError, RuntimeError) as e:
+        reason = e.details() if isinstance(e, grpc.RpcError) else str(e)
+        progress.message(f"rlserve demo: stopped at step {len(loop.records) + 1}: {reason}")
+        status = 1
     finally:
         signal.signal(signal.SIGINT, previous)
         log.close()
         loop.close()
         picture = plot(loop.records, args.out / "demo.png", title=f"GRPO on {model_dir.name} via rlserve ({mode})")
         progress.message(_summary(loop.records) + f"\nplot: {picture}  log: {log.path}")
-    return 0
+    return status
+
+
+def _misfit(args: argparse.Namespace) -> str:
+    if args.group_size < 2:
+        return "--group-size must be at least 2 (advantages compare completions of one prompt)"
+    for flag in ("steps", "prompts_per_step", "max_new_tokens", "max_operand"):
+        if getattr(args, flag) < 1:
+            return f"--{flag.replace('_', '-')} must be at least 1"
+    if args.minutes < 0 or (args.max_staleness is not None and args.max_staleness < 0):
+        return "--minutes and --max-staleness cannot be negative"
+    return ""
 
 
 def _summary(records) -> str:
