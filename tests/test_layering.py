@@ -15,7 +15,7 @@ FORBIDDEN = {
     "lifecycle": ("grpc", "rlserve.server", "rlserve.api", "torch", "vllm"),
     "engine": ("grpc", "rlserve.server", "rlserve.api", "rlserve.lifecycle"),
     "transfer": ("grpc", "rlserve.server", "rlserve.api", "rlserve.lifecycle", "rlserve.engine"),
-    "server": ("torch", "vllm", "rlserve.transfer.gloo_engine", "rlserve.transfer.gloo_group"),
+    "server": ("torch", "vllm", "rlserve.transfer.engines", "rlserve.transfer.gloo_group", "rlserve.transfer.shm"),
     # The RL loop is a client: it reaches the server only through the SDK and gRPC.
     "rl": ("vllm", "rlserve.server", "rlserve.lifecycle", "rlserve.engine", "rlserve.transfer"),
 }

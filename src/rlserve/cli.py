@@ -67,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=None)
     s.add_argument("--data-parallel-size", type=int, default=1)
     s.add_argument("--enforce-eager", action="store_true")
-    s.add_argument("--weight-transfer-backend", default="", help="rlserve_gloo (CPU or GPU), or vLLM's nccl, ipc, ...")
+    s.add_argument(
+        "--weight-transfer-backend",
+        default="",
+        help="rlserve_gloo (CPU or GPU), rlserve_shm (trainer on this host), or vLLM's nccl, ipc, ...",
+    )
     s.add_argument("--enable-sleep-mode", action="store_true")
     s.add_argument("--scheduling-policy", default=_default(_ENGINE, "scheduling_policy"), choices=("fcfs", "priority"))
     s.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (CPU default: 1 GiB)")

@@ -1,4 +1,6 @@
-"""The trainer SDK: push a `torch.nn.Module`'s weights into one rlserve server.
+"""The trainer SDK: push a `torch.nn.Module`'s weights into one rlserve server, over the
+transport the server was started with: `rlserve_gloo` (a gloo group, any host) or
+`rlserve_shm` (shared memory, the server's host).
 
 `WeightSync.sync()` runs pause -> start -> chunks (RPC and broadcast concurrently) ->
 finish -> resume, then checks the digests of what the server serves against its own. It
@@ -12,8 +14,11 @@ safe, and raises `WeightSyncError`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import os
 import time
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -26,10 +31,14 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2, lifecycle_pb2_grpc
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.client import Client
 from rlserve.config import DEFAULT_TRANSFER_TIMEOUT_S
+from rlserve.transfer import shm
 from rlserve.transfer.gloo_group import GlooGroup
 from rlserve.transfer.protocol import (
+    ALIGN_BYTES,
+    BACKEND_NAME,
     DEFAULT_BUCKET_BYTES,
     DTYPE_BYTES,
+    SHM_BACKEND_NAME,
     ChunkInfo,
     TensorMeta,
     combined_checksum,
@@ -38,6 +47,7 @@ from rlserve.transfer.protocol import (
 )
 from rlserve.types import PauseMode
 
+TRANSPORTS = {"gloo": BACKEND_NAME, "shm": SHM_BACKEND_NAME}
 DEFAULT_CHUNK_BYTES = 1024 * 1024 * 1024
 # A chunk's deadline grows with its size, as the server's does: one timeout per 256 MiB.
 BYTES_PER_TIMEOUT = 256 * 2**20
@@ -169,6 +179,56 @@ class TensorSender:
         return self._group
 
 
+class ShmSender:
+    """The trainer's half of rlserve_shm: one shared-memory segment, created for a session
+    and reused for every chunk of every step. Send `init_info()` to InitWeightTransferEngine
+    and `unlink()` whatever the answer (the workers keep their mappings); for each chunk
+    `write(chunk, tensors)`, then send `chunk.to_json()` to UpdateWeights."""
+
+    def __init__(self, capacity: int, *, timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S) -> None:
+        """`capacity`: bytes, at least what `side_by_side` says an update needs."""
+        # Unique per trainer process and session; the server maps only names of this shape.
+        name = f"rlserve-shm-{os.getpid()}-{uuid.uuid4().hex}"
+        self.segment = shm.Segment.create(name, capacity)
+        self.timeout_s = timeout_s
+        self.joined = True
+
+    @property
+    def capacity(self) -> int:
+        return self.segment.size
+
+    def init_info(self) -> dict[str, Any]:
+        return {"segment": self.segment.name, "size": self.capacity, "timeout_s": self.timeout_s}
+
+    def unlink(self) -> None:
+        shm.unlink(self.segment.name)
+
+    def write(self, chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor], bar: Any = None) -> None:
+        for index, offset in shm.layout(chunk, self.capacity)[1]:
+            meta = chunk.tensors[index]
+            self.segment.bytes[offset : offset + meta.num_bytes].copy_(tensors[meta.name].view(-1).view(torch.uint8))
+            if bar is not None:
+                bar.update(meta.num_bytes)
+
+    def forget(self) -> None:
+        self.joined = False
+
+    def close(self) -> None:
+        self.unlink()
+        self.segment.close()
+
+
+def side_by_side(chunks: list[ChunkInfo]) -> tuple[list[ChunkInfo], int]:
+    """The chunks of one update placed one after the other in a segment (each at a 64-byte
+    boundary, its tensors packed as the workers read them), and the segment size they need."""
+    placed, end = [], 0
+    for chunk in chunks:
+        start = (end + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+        placed.append(dataclasses.replace(chunk, segment_offset=start))
+        end = start + plan_buckets(chunk.tensors, 1 << 62)[0].num_bytes
+    return placed, end
+
+
 def plan_sync(
     weights: NamedTensors,
     dtype: torch.dtype | None = None,
@@ -199,27 +259,39 @@ class WeightSync:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         rpc_timeout_s: float = 30.0,
         pause_timeout_s: float = 600.0,
+        transport: str = "auto",
     ) -> None:
         """`timeout_s` bounds the rendezvous and each transfer step (the server may lower
         it); `rpc_timeout_s` every other RPC but the pause, which may wait for requests to
-        drain (WAIT) for up to `pause_timeout_s`."""
+        drain (WAIT) for up to `pause_timeout_s`. `transport`: "gloo", "shm" (the server
+        must run that backend, else `init` raises ValueError), or "auto" (the server's)."""
         if bucket_bytes <= 0 or chunk_bytes < bucket_bytes:
             raise ValueError("need 0 < bucket_bytes <= chunk_bytes")
+        if transport != "auto" and transport not in TRANSPORTS:
+            raise ValueError(f"transport must be 'auto' or one of {sorted(TRANSPORTS)}")
+        self._transport = transport
         self._client = client
         self._lifecycle = lifecycle_pb2_grpc.LifecycleStub(client.channel)
         self._address, self._port, self._timeout_s = master_address, master_port, timeout_s
         self._bucket_bytes, self._chunk_bytes = bucket_bytes, chunk_bytes
         self._rpc_timeout_s, self._pause_timeout_s = rpc_timeout_s, pause_timeout_s
-        self._sender: TensorSender | None = None
+        self._sender: TensorSender | ShmSender | None = None
         # An RPC and a collective at a time, plus room for a collective abandoned after a
         # refusal, which ends only at its own deadline.
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlserve-sync")
 
-    def init(self) -> None:
-        """Rendezvous with every inference worker (the server's RPC runs concurrently).
-        `sync()` calls it when needed; call it first to pay for it outside the first sync."""
-        self._sender = None
+    def init(self, shm_capacity: int = DEFAULT_CHUNK_BYTES) -> None:
+        """Connect to every inference worker (the server's RPC runs concurrently with our
+        side of the rendezvous). `sync()` calls it when needed; call it first to pay for it
+        outside the first sync. `shm_capacity`: the segment size for rlserve_shm."""
+        self._close_sender()
         info = self._client.control.GetServerInfo(cpb.GetServerInfoRequest(), timeout=self._rpc_timeout_s)
+        backend = info.rl_capabilities.weight_transfer_backend
+        if self._transport != "auto" and backend != TRANSPORTS[self._transport]:
+            raise ValueError(f"transport {self._transport!r} asked for, but the server's backend is {backend!r}")
+        if backend == SHM_BACKEND_NAME:
+            self._sender = self._init_shm(shm_capacity)
+            return
         sender = TensorSender(
             info.parallelism.world_size * max(1, info.parallelism.data_parallel_size),
             master_address=self._address,
@@ -233,6 +305,18 @@ class WeightSync:
         join = self._pool.submit(sender.join)
         _first_failure_wins(rpc, join)
         self._sender = sender
+
+    def _init_shm(self, capacity: int) -> ShmSender:
+        sender = ShmSender(capacity, timeout_s=self._timeout_s)
+        request = cpb.InitWeightTransferEngineRequest(init_info_json=json.dumps(sender.init_info()).encode())
+        try:
+            self._client.control.InitWeightTransferEngine(request, timeout=self._timeout_s + RPC_MARGIN_S)
+        except BaseException:
+            sender.close()
+            raise
+        finally:
+            sender.unlink()  # the workers have it mapped (or never will)
+        return sender
 
     def sync(
         self,
@@ -324,8 +408,13 @@ class WeightSync:
         )
 
     def close(self) -> None:
-        self._sender = None
+        self._close_sender()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _close_sender(self) -> None:
+        sender, self._sender = self._sender, None
+        if isinstance(sender, ShmSender):
+            sender.close()
 
     def _prepare(self, weights: NamedTensors) -> tuple[dict[str, torch.Tensor], list[ChunkInfo]]:
         """The tensors and chunks to send, and a usable transport (a rendezvous if needed)."""
@@ -337,8 +426,12 @@ class WeightSync:
             chunk_bytes=self._chunk_bytes,
             bucket_bytes=self._bucket_bytes,
         )
-        if self._sender is None or not self._sender.joined or not state.transport_ready:
-            self.init()
+        needed = 0
+        if state.capabilities.weight_transfer_backend == SHM_BACKEND_NAME:
+            chunks, needed = side_by_side(chunks)
+        small = isinstance(self._sender, ShmSender) and self._sender.capacity < needed
+        if self._sender is None or not self._sender.joined or not state.transport_ready or small:
+            self.init(shm_capacity=needed or DEFAULT_CHUNK_BYTES)
         return tensors, chunks
 
     def _step_timeout_s(self, num_bytes: int) -> float:
@@ -348,6 +441,11 @@ class WeightSync:
         sender = self._sender
         assert sender is not None
         request = cpb.UpdateWeightsRequest(update_info_json=json.dumps(chunk.to_json()).encode())
+        if isinstance(sender, ShmSender):
+            # The segment is ours until the server answers: the workers copy it out first.
+            sender.write(chunk, tensors, bar)
+            self._client.control.UpdateWeights(request, timeout=self._step_timeout_s(chunk.num_bytes))
+            return
         rpc: Future = self._pool.submit(
             self._client.control.UpdateWeights, request, timeout=self._step_timeout_s(chunk.num_bytes)
         )

@@ -32,6 +32,7 @@ from rlserve.transfer.notify import NotificationHub, WorkerGone
 from rlserve.transfer.protocol import (
     BACKEND_NAME,
     CHECKSUM_ALGORITHM,
+    SHM_BACKEND_NAME,
     ChunkInfo,
     ErrorCode,
     InitInfo,
@@ -39,6 +40,7 @@ from rlserve.transfer.protocol import (
     Reply,
     combined_checksum,
 )
+from rlserve.transfer.shm import ShmInit, unlink
 from rlserve.transfer.worker_extension import RlserveWorkerExtension as Ext
 from rlserve.types import ServedChecksums
 
@@ -118,6 +120,8 @@ def make_transport(llm: Any, backend: str, monitor: EngineMonitor, num_workers: 
         return None
     if backend == BACKEND_NAME:
         return GlooTransport(llm, monitor, num_workers)
+    if backend == SHM_BACKEND_NAME:
+        return ShmTransport(llm, monitor, num_workers)
     return VllmTransport(llm, monitor, num_workers, backend)
 
 
@@ -209,7 +213,7 @@ class GlooTransport(WeightTransport):
 
     async def start(self, is_draft: bool, timeout_s: float) -> None:
         if is_draft:
-            raise CapabilityMissing("rlserve_gloo cannot update a draft model")
+            raise CapabilityMissing(f"{self.backend} cannot update a draft model")
         await self._workers.call(Ext.rlserve_begin_session)
 
     async def update(self, chunk: Chunk, timeout_s: float) -> None:
@@ -256,6 +260,34 @@ class GlooTransport(WeightTransport):
                 raise_for(reply, field)
         finally:
             self._hub.forget(op, workers)
+
+
+class ShmTransport(GlooTransport):
+    """rlserve_shm: the trainer's segment instead of a gloo group; chunks, staging, commit
+    and digests as rlserve_gloo. Once every worker has mapped the segment its name is
+    removed, so no crash can leave it behind in /dev/shm."""
+
+    backend = SHM_BACKEND_NAME
+
+    def parse_init(self, raw: Any, max_timeout_s: float) -> TransportInit:
+        if not isinstance(raw, Mapping):
+            raise InvalidRequest("init_info_json", "must be a JSON object")
+        try:
+            info = ShmInit.parse(raw, max_timeout_s)
+        except ProtocolError as e:
+            raise InvalidRequest("init_info_json", str(e)) from e
+        return TransportInit(info.timeout_s, f"segment={info.segment} size={info.size}", info.to_json())
+
+    def parse_chunk(self, raw: Any) -> Chunk:
+        if isinstance(raw, list):
+            raise InvalidRequest("update_info_json", "rlserve_shm takes one update_info object for every worker")
+        return super().parse_chunk(raw)
+
+    async def init(self, init: TransportInit) -> None:
+        try:
+            await super().init(init)
+        finally:
+            unlink(init.payload["segment"])
 
 
 class VllmTransport(WeightTransport):

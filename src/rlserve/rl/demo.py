@@ -23,6 +23,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="", help="HF model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--cache-dir", type=Path, default=None, help="where the default model is converted")
     p.add_argument("--dtype", default="float32", help="the started server's dtype (the trainer trains in float32)")
+    p.add_argument(
+        "--backend",
+        default="rlserve_gloo",
+        choices=("rlserve_gloo", "rlserve_shm"),
+        help="the started server's weight transport (rlserve_shm: shared memory, faster on one host)",
+    )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--minutes", type=float, default=10.0, help="stop after this long (0: no limit)")
     p.add_argument("--prompts-per-step", type=int, default=8)
@@ -49,7 +55,9 @@ def run(args: argparse.Namespace) -> int:
     token = os.environ.get(TOKEN_ENV)
     credentials = ChannelCredentials(token=token) if token else None
     with contextlib.ExitStack() as stack:
-        target = args.server or stack.enter_context(started_server(model_dir, args.dtype, args.out / "server.log"))
+        target = args.server or stack.enter_context(
+            started_server(model_dir, args.dtype, args.backend, args.out / "server.log")
+        )
         return _train(args, model_dir, target, credentials)
 
 
@@ -148,13 +156,13 @@ def _summary(records) -> str:
 
 
 @contextlib.contextmanager
-def started_server(model_dir: Path, dtype: str, log_path: Path):
-    """`rlserve serve` with the rlserve_gloo backend on a free loopback port, in a process
+def started_server(model_dir: Path, dtype: str, backend: str, log_path: Path):
+    """`rlserve serve` with weight-transfer `backend` on a free loopback port, in a process
     group of its own (a Ctrl-C meant for the demo does not reach it); stopped on exit."""
     port = _free_port()
     command = [
         sys.executable, "-m", "rlserve", "serve", "--model", str(model_dir), "--port", str(port),
-        "--dtype", dtype, "--weight-transfer-backend", "rlserve_gloo", "--max-model-len", "1024",
+        "--dtype", dtype, "--weight-transfer-backend", backend, "--max-model-len", "1024",
     ]  # fmt: skip
     with log_path.open("w") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, process_group=0)

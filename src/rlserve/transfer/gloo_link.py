@@ -96,6 +96,13 @@ class GlooLink:
                 self._process.kill()
                 self._process.wait()
 
+    def begin_session(self) -> None:
+        pass
+
+    def misfit(self, info: ChunkInfo) -> str | None:
+        # Buckets of any size go over the wire; a segment offset means nothing here.
+        return "segment_offset is for rlserve_shm" if info.segment_offset else None
+
     def _ask(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         try:
             self._sock.settimeout(timeout_s + ANSWER_MARGIN_S)

@@ -16,6 +16,8 @@ from typing import Any
 import xxhash
 
 BACKEND_NAME = "rlserve_gloo"
+# Same protocol after the rendezvous, through a shared-memory segment (see `shm`).
+SHM_BACKEND_NAME = "rlserve_shm"
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 CHECKSUM_ALGORITHM = "xxh3-128"
 # Tensors start on this boundary inside a bucket so the receiver can view them in place.
@@ -152,6 +154,8 @@ class ChunkInfo:
 
     tensors: tuple[TensorMeta, ...]
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    # rlserve_shm only: where the chunk starts in the trainer's segment (64-byte aligned).
+    segment_offset: int = 0
 
     @property
     def num_bytes(self) -> int:
@@ -161,7 +165,7 @@ class ChunkInfo:
     def parse(cls, raw: Any) -> ChunkInfo:
         if not isinstance(raw, Mapping):
             raise ProtocolError("update_info must be a JSON object")
-        known = {"names", "dtype_names", "shapes", "checksums", "bucket_bytes"}
+        known = {"names", "dtype_names", "shapes", "checksums", "bucket_bytes", "segment_offset"}
         unknown = set(raw) - known
         if unknown:
             raise ProtocolError(f"unknown update_info keys {sorted(unknown)}; expected {sorted(known)}")
@@ -179,6 +183,11 @@ class ChunkInfo:
             or not 0 < bucket_bytes <= MAX_BUCKET_BYTES
         ):
             raise ProtocolError(f"update_info.bucket_bytes must be an integer in 1..{MAX_BUCKET_BYTES}")
+        offset = raw.get("segment_offset", 0)
+        if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= MAX_BUCKET_BYTES:
+            raise ProtocolError(f"update_info.segment_offset must be an integer in 0..{MAX_BUCKET_BYTES}")
+        if offset % ALIGN_BYTES:
+            raise ProtocolError(f"update_info.segment_offset must be a multiple of {ALIGN_BYTES}")
         tensors = []
         for name, dtype, shape, checksum in zip(*lists.values()):
             if not isinstance(name, str) or not name:
@@ -195,7 +204,7 @@ class ChunkInfo:
             if meta.num_bytes > MAX_TENSOR_BYTES:
                 raise ProtocolError(f"{name}: more bytes than any tensor may have ({MAX_TENSOR_BYTES})")
             tensors.append(meta)
-        return cls(tuple(tensors), bucket_bytes)
+        return cls(tuple(tensors), bucket_bytes, offset)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -204,6 +213,7 @@ class ChunkInfo:
             "shapes": [list(t.shape) for t in self.tensors],
             "checksums": [t.checksum for t in self.tensors],
             "bucket_bytes": self.bucket_bytes,
+            **({"segment_offset": self.segment_offset} if self.segment_offset else {}),
         }
 
 

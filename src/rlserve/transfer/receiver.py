@@ -1,15 +1,17 @@
-"""One inference worker's side of `rlserve_gloo`: its link to the trainer's gloo group (kept in
-a helper process, see `gloo_link`), the open update session's staging, and the commit into
+"""One inference worker's side of rlserve's transports (`rlserve_gloo`, `rlserve_shm`): its
+link to the trainer (a gloo group kept in a helper process, see `gloo_link`, or a mapped
+shared-memory segment, see `shm`), the open update session's staging, and the commit into
 the model.
 
-Per chunk: check the update_info against the checkpoint manifest and the served dtype, vote
-with the trainer (so a refusal never leaves the trainer blocked), receive the buckets into
-shared memory, verify every tensor's checksum, stage. At commit: complete partially sent layers from the served weights, then load
-everything through vLLM's layer-wise reload path (on CPU vLLM repacks linear weights after
-loading, so tensors are never written directly). An abort or any failure before the commit
-drops the staging and leaves the served weights untouched. A collective that failed or was
-abandoned half way leaves the group out of step with the trainer: it is then broken and only
-a new InitWeightTransferEngine makes it usable.
+Per chunk: check the update_info against the checkpoint manifest and the served dtype, let
+the link deliver the chunk (gloo: vote with the trainer, so a refusal never leaves the
+trainer blocked, then receive the buckets; shm: copy out of the segment), verify every
+tensor's checksum, stage. At commit: complete partially sent layers from the served weights,
+then load everything through vLLM's layer-wise reload path (on CPU vLLM repacks linear
+weights after loading, so tensors are never written directly). An abort or any failure
+before the commit drops the staging and leaves the served weights untouched. A collective
+that failed or was abandoned half way leaves the group out of step with the trainer: it is
+then broken and only a new InitWeightTransferEngine makes it usable.
 
 Thread-safe: the rendezvous and the receiving run in transfer threads, everything else on
 vLLM's engine loop.
@@ -20,9 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save_file
@@ -36,14 +38,35 @@ from rlserve.transfer.served import ServedWeights
 logger = logging.getLogger(__name__)
 
 
-class GlooReceiver:
+class Link(Protocol):
+    """How a chunk reaches this worker: `GlooLink` or `ShmLink`."""
+
+    def exchange(
+        self, info: ChunkInfo, accept: bool, timeout_s: float
+    ) -> tuple[bool, dict[str, torch.Tensor], dict[str, str]]:
+        """(whether the trainer sends, the tensors received, their digests). A WorkerError
+        means the link is out of step with the trainer."""
+        ...
+
+    def misfit(self, info: ChunkInfo) -> str | None:
+        """Why this link cannot carry the chunk, if it cannot."""
+        ...
+
+    def begin_session(self) -> None:
+        """A new update session starts: what the link keeps per session is dropped."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Receiver:
     def __init__(self, manifest: Mapping[str, ManifestEntry], rank_in_server: int, served_dtype: str) -> None:
         self._manifest = manifest
         self._rank_in_server = rank_in_server
         self._served_dtype = served_dtype
         self.notifier = Notifier(rank_in_server)
         self._lock = threading.Lock()
-        self._link: GlooLink | None = None
+        self._link: Link | None = None
         self._timeout_s = 0.0
         self._broken = ""
         self._init_op: str | None = None
@@ -67,9 +90,13 @@ class GlooReceiver:
                 self._init_op = None
 
     def join(self, info: InitInfo, op: str | None = None) -> None:
-        """Join the trainer's group (blocks up to info.timeout_s). On success the new group
-        replaces the old one; on failure the old one stays as it was."""
-        link = GlooLink.join(info, info.rank_offset + self._rank_in_server)
+        """Join the trainer's gloo group (blocks up to info.timeout_s)."""
+        self.attach(lambda: GlooLink.join(info, info.rank_offset + self._rank_in_server), info.timeout_s, op)
+
+    def attach(self, connect: Callable[[], Link], timeout_s: float, op: str | None = None) -> None:
+        """Make the link `connect()` returns the transport (for rendezvous `op`, if given).
+        On success the new link replaces the old one; on failure the old one stays."""
+        link = connect()
         with self._lock:
             if op is not None and op != self._init_op:
                 link.close()
@@ -78,7 +105,7 @@ class GlooReceiver:
                 link.close()
                 raise WorkerError(ErrorCode.WRONG_STATE, "a chunk is still being received on the old transport")
             old, self._link = self._link, link
-            self._broken, self._staged, self._init_op, self._timeout_s = "", None, None, info.timeout_s
+            self._broken, self._staged, self._init_op, self._timeout_s = "", None, None, timeout_s
         if old is not None:
             old.close()
 
@@ -98,6 +125,8 @@ class GlooReceiver:
             if self._receiving:
                 raise WorkerError(ErrorCode.WRONG_STATE, "a chunk of an earlier session is still being received")
             self._staged, self._lora_rank = {}, lora_max_rank
+            assert self._link is not None
+            self._link.begin_session()
 
     def abort(self) -> None:
         """Drop the staging; the served weights were never touched. A chunk still on the wire
@@ -132,9 +161,9 @@ class GlooReceiver:
             self._staged.update(staged)
 
     def _receive(
-        self, link: GlooLink, info: ChunkInfo, staged_names: set[str], timeout_s: float
+        self, link: Link, info: ChunkInfo, staged_names: set[str], timeout_s: float
     ) -> dict[str, torch.Tensor]:
-        problem = self._check_against_manifest(info, staged_names)
+        problem = self._check_against_manifest(info, staged_names) or link.misfit(info)
         try:
             go, received, digests = link.exchange(info, problem is None, timeout_s)
         except WorkerError as e:  # the helper ended or fell silent: out of step with the trainer

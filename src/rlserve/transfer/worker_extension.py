@@ -1,5 +1,5 @@
 """Methods rlserve adds to every vLLM worker (vLLM's `worker_extension_cls`), which rlserve's
-server calls through `collective_rpc` to drive `rlserve_gloo` with typed replies.
+server calls through `collective_rpc` to drive `rlserve_gloo` and `rlserve_shm` with typed replies.
 
 Each returns a `Reply` as a dict and never raises for an expected failure. The two long
 operations, the rendezvous and receiving a chunk, run in a thread of their own and report
@@ -16,7 +16,7 @@ from typing import Any
 
 from rlserve.transfer.manifest import read_manifest
 from rlserve.transfer.notify import Notifier
-from rlserve.transfer.protocol import ChunkInfo, ErrorCode, InitInfo, ProtocolError, Reply, WorkerError
+from rlserve.transfer.protocol import ChunkInfo, ErrorCode, ProtocolError, Reply, WorkerError
 from rlserve.transfer.served import ServedWeights
 
 logger = logging.getLogger(__name__)
@@ -26,15 +26,17 @@ class RlserveWorkerExtension:
     """Mixed into vLLM's Worker class; `self` is the worker."""
 
     def rlserve_begin_init(self, op: str, notify_address: str, init_info: dict[str, Any], timeout_s: float) -> dict:
-        """Start joining the trainer's group; the outcome arrives as a notice for `op`."""
+        """Start connecting to the trainer (joining its gloo group, or mapping its shared
+        memory); the outcome arrives as a notice for `op`."""
 
         def work() -> Reply:
-            receiver.join(info, op)
+            engine.connect(info, op)
             return Reply(True)
 
         try:
-            receiver = self._rlserve_receiver()
-            info = InitInfo.parse(init_info, timeout_s)
+            engine = self._rlserve_engine()
+            receiver = engine.receiver
+            info = engine.parse_transport_init(init_info, timeout_s)
         except (WorkerError, ProtocolError) as e:
             return _failure(e).to_dict()
         receiver.begin_init(op)
@@ -109,7 +111,7 @@ class RlserveWorkerExtension:
         return _run(digest)
 
     def rlserve_forget_digests(self) -> dict:
-        """The served weights changed outside rlserve_gloo (an in-place backend's update)."""
+        """The served weights changed outside rlserve's backends (an in-place backend's update)."""
         return _run(lambda: self._rlserve_served().invalidate())
 
     # Helpers (no RPC calls these) -------------------------------------------------------
@@ -127,7 +129,7 @@ class RlserveWorkerExtension:
     def _rlserve_engine(self) -> Any:
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is None or not hasattr(engine, "receiver"):
-            raise WorkerError(ErrorCode.WRONG_STATE, "the worker's weight-transfer backend is not rlserve_gloo")
+            raise WorkerError(ErrorCode.WRONG_STATE, "the worker's weight-transfer backend is not one of rlserve's")
         return engine
 
     def _rlserve_receiver(self) -> Any:

@@ -1,0 +1,92 @@
+"""rlserve's transports as vLLM `WeightTransferEngine`s (`rlserve_gloo`, `rlserve_shm`), so
+vLLM's own frontends can drive them too (their calls block vLLM's engine loop, as every vLLM
+backend does). rlserve's server drives the same `Receiver` through the worker extension
+instead, with the long parts off the engine loop. The staging and the commit live in
+`receiver.py`; an engine only knows how to parse its init_info and connect its link.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from rlserve.config import DEFAULT_TRANSFER_TIMEOUT_S
+from rlserve.transfer.manifest import read_manifest
+from rlserve.transfer.protocol import ChunkInfo, InitInfo, ProtocolError
+from rlserve.transfer.receiver import Receiver
+from rlserve.transfer.served import ServedWeights
+from rlserve.transfer.shm import ShmInit, ShmLink
+
+
+class _RlserveEngine(WeightTransferEngine):  # type: ignore[type-var]
+    update_info_cls = ChunkInfo  # type: ignore[assignment]
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        pc = self.parallel_config
+        self.manifest = read_manifest(vllm_config.model_config.model)
+        dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        self.receiver = Receiver(self.manifest, pc.data_parallel_index * pc.world_size + pc.rank, dtype)
+
+    def parse_transport_init(self, raw: dict[str, Any], max_timeout_s: float) -> Any:
+        """The typed init_info; raises ProtocolError."""
+        raise NotImplementedError
+
+    def connect(self, info: Any, op: str | None = None) -> None:
+        """Make the link `info` describes this worker's transport (for rendezvous `op`)."""
+        raise NotImplementedError
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
+        try:
+            return self.parse_transport_init(init_dict, DEFAULT_TRANSFER_TIMEOUT_S)
+        except ProtocolError as e:
+            raise ValueError(f"invalid init_info: {e}") from e
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> ChunkInfo:
+        try:
+            return ChunkInfo.parse(update_dict)
+        except ProtocolError as e:
+            raise ValueError(f"invalid update_info: {e}") from e
+
+    def init_transfer_engine(self, init_info: Any) -> None:
+        self.connect(init_info)
+
+    def start_weight_update(self) -> None:
+        self.receiver.start_session()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronizes the accelerator after receiving; these are synchronous.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: ChunkInfo) -> None:
+        self.receiver.receive(update_info)
+
+    def finish_weight_update(self) -> None:
+        served = ServedWeights(self.model, self.manifest, self.parallel_config.tensor_parallel_size)
+        self.receiver.commit(self.model, self.model_config, served)
+
+    def shutdown(self) -> None:
+        self.receiver.shutdown()
+
+
+class GlooWeightTransferEngine(_RlserveEngine):
+    init_info_cls = InitInfo  # type: ignore[assignment]
+
+    def parse_transport_init(self, raw: dict[str, Any], max_timeout_s: float) -> InitInfo:
+        return InitInfo.parse(raw, max_timeout_s)
+
+    def connect(self, info: InitInfo, op: str | None = None) -> None:
+        self.receiver.join(info, op)
+
+
+class ShmWeightTransferEngine(_RlserveEngine):
+    init_info_cls = ShmInit  # type: ignore[assignment]
+
+    def parse_transport_init(self, raw: dict[str, Any], max_timeout_s: float) -> ShmInit:
+        return ShmInit.parse(raw, max_timeout_s)
+
+    def connect(self, info: ShmInit, op: str | None = None) -> None:
+        self.receiver.attach(lambda: ShmLink.open(info), info.timeout_s, op)

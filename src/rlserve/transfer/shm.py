@@ -1,0 +1,185 @@
+"""`rlserve_shm`: weights through shared memory, for a trainer on the server's host.
+
+The trainer creates one segment (a file in /dev/shm, mode 0600, its name made unique per
+trainer process and session) sized for its largest chunk, and reuses it for every step.
+InitWeightTransferEngine names it; every worker maps it read-only, then the server removes
+the name. From then on only the mappings hold the memory: nothing is left in /dev/shm
+whoever crashes, and the memory is freed once the trainer and the workers have dropped
+their mappings (a worker drops its own at the next init or at shutdown).
+
+Per chunk the trainer writes the tensors from the chunk's `segment_offset` on, packed as the
+shared bucket plan packs one bucket (64-byte aligned, in order: `plan_buckets`, as
+rlserve_gloo derives its buckets), and calls UpdateWeights; each worker copies the chunk
+into its landing buffer, checks every digest, then stages and commits exactly as
+rlserve_gloo does. The chunks of one update lie side by side in the segment.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlserve.transfer.protocol import ChunkInfo, ErrorCode, ProtocolError, WorkerError, plan_buckets, tensor_checksum
+
+SHM_DIR = Path("/dev/shm")
+# A name, never a path: the server maps segments of this shape and nothing else.
+SEGMENT_NAME = re.compile(r"rlserve-shm-[A-Za-z0-9_.-]{1,200}")
+MAX_SEGMENT_BYTES = 1 << 40
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ShmInit:
+    segment: str
+    size: int
+    timeout_s: float
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any], default_timeout_s: float) -> ShmInit:
+        known = set(cls.__dataclass_fields__)
+        unknown = set(raw) - known
+        if unknown:
+            raise ProtocolError(f"unknown init_info keys {sorted(unknown)}; expected {sorted(known)}")
+        segment, size = raw.get("segment"), raw.get("size")
+        if not isinstance(segment, str) or SEGMENT_NAME.fullmatch(segment) is None:
+            raise ProtocolError(f"segment must be a name matching {SEGMENT_NAME.pattern}, got {str(segment)[:80]!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_SEGMENT_BYTES:
+            raise ProtocolError(f"size must be an integer number of bytes in 1..{MAX_SEGMENT_BYTES}")
+        timeout_s = raw.get("timeout_s", default_timeout_s)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+            raise ProtocolError("timeout_s must be a positive number of seconds")
+        return cls(segment, size, min(float(timeout_s), default_timeout_s))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"segment": self.segment, "size": self.size, "timeout_s": self.timeout_s}
+
+
+class Segment:
+    """A named shared-memory segment mapped into this process, as one uint8 tensor."""
+
+    def __init__(self, name: str, size: int, mapping: mmap.mmap) -> None:
+        self.name, self.size = name, size
+        self._mapping = mapping
+        self.bytes = torch.frombuffer(mapping, dtype=torch.uint8, count=size)
+
+    @classmethod
+    def create(cls, name: str, size: int) -> Segment:
+        """A new segment only this user can open; raises FileExistsError for a taken name."""
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            return cls(name, size, mmap.mmap(fd, size))
+        except BaseException:
+            unlink(name)
+            raise
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def attach(cls, name: str, size: int) -> Segment:
+        """Map an existing segment read-only. Raises WorkerError when it is missing, is not a
+        regular file of this user, or is smaller than `size`."""
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:
+            raise WorkerError(ErrorCode.INVALID_INFO, f"cannot open shared memory {name!r}: {e.strerror}") from e
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise WorkerError(ErrorCode.INVALID_INFO, f"{name!r} is not a segment of this user")
+            if st.st_size < size:
+                raise WorkerError(ErrorCode.INVALID_INFO, f"{name!r} has {st.st_size} bytes, init_info says {size}")
+            return cls(name, size, mmap.mmap(fd, size, prot=mmap.PROT_READ))
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        del self.bytes  # the tensor holds the buffer: drop it before unmapping
+        self._mapping.close()
+
+
+def unlink(name: str) -> None:
+    """Remove a segment's name (the memory stays while mapped); a missing name is fine."""
+    try:
+        os.unlink(SHM_DIR / name)
+    except FileNotFoundError:
+        pass
+
+
+def layout(chunk: ChunkInfo, segment_size: int) -> tuple[int, list[tuple[int, int]]]:
+    """(bytes the chunk spans, [(tensor index, byte offset in the segment)]) for a chunk laid
+    out from its `segment_offset`; raises ProtocolError when it does not fit the segment."""
+    (bucket,) = plan_buckets(chunk.tensors, 1 << 62)
+    end = chunk.segment_offset + bucket.num_bytes
+    if end > segment_size:
+        raise ProtocolError(
+            f"a chunk of {bucket.num_bytes} bytes at offset {chunk.segment_offset} does not fit "
+            f"the {segment_size}-byte segment"
+        )
+    return bucket.num_bytes, [(i, chunk.segment_offset + offset) for i, offset in bucket.placements]
+
+
+class ShmLink:
+    """A worker's side of rlserve_shm: the trainer's segment, mapped read-only, and a landing
+    buffer of the same size this worker owns (allocated and touched once, so later syncs
+    copy into memory that is already mapped). A chunk is copied from the segment into the
+    same place in the landing buffer in one pass, and staged as views of it: the trainer may
+    rewrite its segment once UpdateWeights has answered. Same calls as `GlooLink`."""
+
+    def __init__(self, segment: Segment) -> None:
+        self._segment = segment
+        self._landing = torch.zeros(segment.size, dtype=torch.uint8)
+        # The byte ranges of this session's chunks: a chunk over one of them would change
+        # tensors already checked and staged.
+        self._landed: list[tuple[int, int]] = []
+
+    def begin_session(self) -> None:
+        self._landed = []
+
+    @classmethod
+    def open(cls, info: ShmInit) -> ShmLink:
+        return cls(Segment.attach(info.segment, info.size))
+
+    def misfit(self, info: ChunkInfo) -> str | None:
+        try:
+            span, _ = layout(info, self._segment.size)
+        except ProtocolError as e:
+            return str(e)
+        start, end = info.segment_offset, info.segment_offset + span
+        for a, b in self._landed:
+            if start < b and a < end:
+                return f"the chunk at bytes {start}..{end} overlaps one staged in this update ({a}..{b})"
+        return None
+
+    def exchange(
+        self, info: ChunkInfo, accept: bool, timeout_s: float
+    ) -> tuple[bool, dict[str, torch.Tensor], dict[str, str]]:
+        """Copy the chunk out of the segment and digest its tensors. No vote is needed: the
+        trainer is not blocked in a collective, it waits for the RPC's answer. The views stay
+        valid until a later session's chunk lands on the same bytes."""
+        if not accept:
+            return False, {}, {}
+        span, placements = layout(info, self._segment.size)
+        start = info.segment_offset
+        self._landing[start : start + span].copy_(self._segment.bytes[start : start + span])
+        self._landed.append((start, start + span))
+        received: dict[str, torch.Tensor] = {}
+        digests: dict[str, str] = {}
+        for index, offset in placements:
+            meta = info.tensors[index]
+            raw = self._landing[offset : offset + meta.num_bytes]
+            tensor = raw.view(TORCH_DTYPES[meta.dtype_name]).view(meta.shape)
+            received[meta.name] = tensor
+            digests[meta.name] = tensor_checksum(tensor)
+        return True, received, digests
+
+    def close(self) -> None:
+        self._segment.close()

@@ -1,0 +1,243 @@
+"""rlserve_shm against a real engine started with it: a sync over shared memory serves what
+a fresh engine loaded from the same weights serves, and no segment is ever left in /dev/shm
+(not while syncing, not after a trainer is killed mid-sync); what a careless or hostile
+trainer sends (a path for a name, a symlink, a chunk larger than the segment, bytes that do
+not match their digests) is INVALID_ARGUMENT and changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+
+from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
+from rlserve.api.vllm import control_pb2 as cpb
+from rlserve.client import Client
+from rlserve.config import ServeConfig
+from rlserve.trainer import ShmSender, WeightSync, plan_sync
+from rlserve.transfer.shm import SHM_DIR
+
+from helpers import (
+    checkpoint,
+    checksum,
+    expect,
+    greedy,
+    pause,
+    perturbed,
+    reference_outputs,
+    run_trainer,
+    save_weights,
+    serving,
+    wait_for_state,
+)
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+KEEP = cpb.PAUSE_MODE_KEEP
+
+
+@pytest_asyncio.fixture(scope="module")
+async def shm_engine(engine_config):
+    from rlserve.engine.adapter import EngineAdapter
+
+    adapter = await asyncio.to_thread(
+        EngineAdapter.start, replace(engine_config, weight_transfer_backend="rlserve_shm")
+    )
+    yield adapter
+    await adapter.close()
+    adapter.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def shm(shm_engine, engine_config):
+    config = ServeConfig(
+        engine=replace(engine_config, weight_transfer_backend="rlserve_shm"),
+        transfer_timeout_s=10.0,
+        update_lease_s=2.0,
+    )
+    async with serving(shm_engine, config) as stubs:
+        yield stubs
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def running_afterwards(shm):
+    yield
+    await shm.lifecycle.AbortWeightUpdate(lpb.AbortWeightUpdateRequest())
+    await shm.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+
+
+def segments() -> list[str]:
+    return sorted(p.name for p in SHM_DIR.glob("rlserve-shm-*"))
+
+
+def sync_in_thread(target: str, weights, version: str, **kw):
+    with Client(target) as client:
+        sync = WeightSync(client, transport="shm", **kw)
+        try:
+            stats = sync.sync(weights, version)
+            return stats, segments()
+        finally:
+            sync.close()
+
+
+async def test_a_sync_over_shared_memory_equals_a_fresh_engine(shm, tiny_model_dir, tmp_path, engine_config):
+    weights = perturbed(tiny_model_dir, seed=31)
+    before = segments()
+    stats, during = await asyncio.to_thread(sync_in_thread, shm.target, weights, "shm-1")
+    assert stats.num_bytes > 0 and during == before  # the name is gone once the workers mapped it
+    assert segments() == before
+    state = await shm.lifecycle.GetState(lpb.GetStateRequest())
+    assert state.weight_version == "shm-1" and state.weights_consistent
+    assert await greedy(shm.inference) == await reference_outputs(tiny_model_dir, weights, tmp_path, engine_config)
+
+
+async def test_the_gloo_transport_is_refused_by_name_against_a_shm_server(shm, tiny_model_dir):
+    def gloo() -> None:
+        with Client(shm.target) as client:
+            WeightSync(client, transport="gloo").init()
+
+    with pytest.raises(ValueError, match="rlserve_shm"):
+        await asyncio.to_thread(gloo)
+
+
+async def test_a_trainer_killed_mid_sync_leaves_no_segment_and_the_old_weights(shm, tiny_model_dir, tmp_path):
+    tokens, digest = await greedy(shm.inference), await checksum(shm.lifecycle)
+    weights = save_weights(perturbed(tiny_model_dir, seed=32), tmp_path / "w.safetensors")
+    # Two chunks: the trainer dies once it has written the second, before the server reads it.
+    rc, _, err = await run_trainer(
+        shm.target, weights, "never", "--die-after-shm-writes", "2", "--chunk-bytes", str(2**20),
+        "--bucket-bytes", str(2**20),
+    )  # fmt: skip
+    assert rc == 17, err
+    assert segments() == []
+    state = await wait_for_state(
+        shm.lifecycle, lambda st: not st.HasField("update_session") and st.pause_phase == lpb.PAUSE_PHASE_RUNNING
+    )
+    assert state.weights_consistent and state.weight_version != "never"
+    assert await checksum(shm.lifecycle) == digest and await greedy(shm.inference) == tokens
+
+
+@pytest.mark.parametrize(
+    "init, named",
+    [
+        ({"segment": "../../etc/passwd", "size": 10}, "segment"),
+        ({"segment": "rlserve-shm-x/y", "size": 10}, "segment"),
+        ({"segment": "rlserve-shm-absent", "size": 10}, "rlserve-shm-absent"),
+        ({"segment": "rlserve-shm-x", "size": -1}, "size"),
+        ({"segment": "rlserve-shm-x", "size": 10, "master_port": 1}, "master_port"),
+    ],
+)
+async def test_init_info_that_names_no_segment_of_ours_is_refused(shm, init, named):
+    request = cpb.InitWeightTransferEngineRequest(init_info_json=json.dumps(init).encode())
+    assert named in await expect(INVALID, shm.control.InitWeightTransferEngine(request, timeout=30))
+
+
+async def test_a_symlink_posing_as_a_segment_is_not_followed(shm, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"x" * 4096)
+    link = SHM_DIR / f"rlserve-shm-link-{os.getpid()}"
+    link.symlink_to(secret)
+    try:
+        request = cpb.InitWeightTransferEngineRequest(
+            init_info_json=json.dumps({"segment": link.name, "size": 4096}).encode()
+        )
+        await expect(INVALID, shm.control.InitWeightTransferEngine(request, timeout=30))
+    finally:
+        link.unlink(missing_ok=True)
+    assert secret.read_bytes() == b"x" * 4096
+
+
+class HandShmTrainer:
+    """The trainer's half of rlserve_shm by hand, to send what the SDK never would."""
+
+    def __init__(self, target: str, capacity: int) -> None:
+        self.client = Client(target)
+        self.sender = ShmSender(capacity, timeout_s=10.0)
+
+    def init(self) -> None:
+        request = cpb.InitWeightTransferEngineRequest(init_info_json=json.dumps(self.sender.init_info()).encode())
+        try:
+            self.client.control.InitWeightTransferEngine(request, timeout=30)
+        finally:
+            self.sender.unlink()
+
+    def update(self, chunk, tensors, corrupt: bool = False) -> None:
+        self.sender.write(chunk, tensors)
+        if corrupt:
+            self.sender.segment.bytes[0] ^= 0xFF
+        request = cpb.UpdateWeightsRequest(update_info_json=json.dumps(chunk.to_json()).encode())
+        self.client.control.UpdateWeights(request, timeout=30)
+
+    def close(self) -> None:
+        self.sender.close()
+        self.client.close()
+
+
+FAULTS = ["larger than the segment", "bytes that do not match their digests", "over a chunk already staged"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+async def test_a_bad_chunk_is_refused_and_the_next_good_one_lands(shm, tiny_model_dir, fault):
+    digest = await checksum(shm.lifecycle)
+    tensors, chunks = plan_sync(perturbed(tiny_model_dir, seed=33), torch.float32)
+    (chunk,) = chunks
+    hand = HandShmTrainer(shm.target, 1024 * 1024 if fault == FAULTS[0] else 64 * 1024 * 1024)
+    try:
+        await asyncio.to_thread(hand.init)
+        await pause(shm.control, KEEP)
+        await shm.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+        if fault == FAULTS[0]:
+            # The SDK never plans such a chunk; by hand, the trainer's own layout refuses it first.
+            with pytest.raises(ValueError, match="does not fit"):
+                await asyncio.to_thread(hand.update, chunk, tensors)
+            request = cpb.UpdateWeightsRequest(update_info_json=json.dumps(chunk.to_json()).encode())
+            assert "does not fit" in await expect(INVALID, shm.control.UpdateWeights(request, timeout=30))
+        elif fault == FAULTS[1]:
+            with pytest.raises(grpc.RpcError) as e:
+                await asyncio.to_thread(hand.update, chunk, tensors, True)
+            assert e.value.code() == INVALID and chunk.tensors[0].name in e.value.details()
+        else:
+            # Two chunks on the same bytes: the second would rewrite tensors the first staged.
+            first, second = replace(chunk, tensors=chunk.tensors[:1]), replace(chunk, tensors=chunk.tensors[1:])
+            await asyncio.to_thread(hand.update, first, tensors)
+            with pytest.raises(grpc.RpcError) as e:
+                await asyncio.to_thread(hand.update, second, tensors)
+            assert e.value.code() == INVALID and "overlaps" in e.value.details()
+        await shm.lifecycle.AbortWeightUpdate(lpb.AbortWeightUpdateRequest())
+        await shm.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+        assert await checksum(shm.lifecycle) == digest
+    finally:
+        hand.close()
+    # The transport still works: the SDK syncs the checkpoint back (it re-inits as needed).
+    stats, _ = await asyncio.to_thread(sync_in_thread, shm.target, checkpoint(tiny_model_dir), "back")
+    assert stats.checksum == await checksum(shm.lifecycle)
+    assert segments() == []
+
+
+async def test_an_update_in_several_chunks_lies_side_by_side_and_lands_whole(shm, tiny_model_dir, tmp_path):
+    weights = perturbed(tiny_model_dir, seed=34)
+    stats, _ = await asyncio.to_thread(
+        sync_in_thread, shm.target, weights, "chunked", bucket_bytes=2**20, chunk_bytes=2**20
+    )
+    assert stats.num_chunks > 2
+    _, mine = plan_sync(weights, torch.float32)
+    digests = (await shm.lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())).per_tensor
+    assert {t.name: t.checksum for c in mine for t in c.tensors} == {n: digests[n] for n in weights}
+
+
+def test_segment_files_of_this_process_are_only_names_of_ours():
+    """A segment is a file only this user can open, named per process and session."""
+    a, b = ShmSender(4096), ShmSender(4096)
+    try:
+        assert a.segment.name != b.segment.name and str(os.getpid()) in a.segment.name
+        assert (Path(SHM_DIR) / a.segment.name).stat().st_mode & 0o777 == 0o600
+    finally:
+        a.close()
+        b.close()
+    assert not (Path(SHM_DIR) / a.segment.name).exists()
