@@ -187,6 +187,14 @@ def test_the_loss_gives_no_gradient_to_a_token_beyond_the_staleness_bound():
     assert lp.grad[:2].abs().min() > 0 and torch.equal(lp.grad[2:], torch.zeros(2))
 
 
+def test_a_token_of_a_version_the_trainer_never_published_gets_no_gradient():
+    lp = torch.zeros(3, requires_grad=True)
+    r = rollout(["2", "default", "7"], [0.0] * 3)  # a foreign label, and one ahead of the trainer
+    loss, stats = grpo_loss([lp], [r], current_version=2, max_staleness=5)
+    loss.backward()
+    assert (stats.tokens_used, stats.tokens_dropped) == (1, 2) and torch.equal(lp.grad[1:], torch.zeros(2))
+
+
 def test_a_batch_with_nothing_to_learn_gives_a_loss_without_a_gradient():
     loss, stats = grpo_loss([torch.zeros(2, requires_grad=True)], [rollout(["0", "0"], [0.0, 0.0])],
                             current_version=3, max_staleness=1)  # fmt: skip

@@ -241,3 +241,12 @@ def test_segment_files_of_this_process_are_only_names_of_ours():
         a.close()
         b.close()
     assert not (Path(SHM_DIR) / a.segment.name).exists()
+
+
+def test_a_segment_larger_than_shared_memory_is_refused_when_created():
+    """Reserved at creation: a full /dev/shm is an OSError there, not a SIGBUS at the first
+    write (ftruncate alone made a sparse file of any size)."""
+    before = segments()
+    with pytest.raises(OSError):
+        ShmSender(1 << 45)
+    assert segments() == before

@@ -17,6 +17,19 @@ import torch
 
 from rlserve.rl.rollout import Rollout
 
+# The staleness of a token whose version the trainer never published (not a step number, or
+# ahead of the trainer): older than any bound, so it never reaches a gradient.
+UNKNOWN = 1 << 30
+
+
+def staleness(current_version: int, version: str) -> int:
+    """How many versions before the trainer's current one `version` is."""
+    try:
+        v = int(version)
+    except ValueError:
+        return UNKNOWN
+    return current_version - v if 0 <= v <= current_version else UNKNOWN
+
 
 def group_advantages(rollouts: Sequence[Rollout], eps: float = 1e-4) -> None:
     """Set each rollout's advantage to its reward standardized within its group; a group
@@ -104,11 +117,12 @@ def grpo_loss(
     clip: float = 0.2,
 ) -> tuple[torch.Tensor, LossStats]:
     """The clipped surrogate over every token no older than `max_staleness` versions
-    (token-level mean), and what it used."""
+    (token-level mean), and what it used. A token of a version the trainer never published
+    is dropped."""
     terms, used, dropped, oldest, clipped = [], 0, 0, 0, 0
     for lp, r in zip(logprobs, rollouts, strict=True):
-        staleness = torch.tensor([current_version - int(v) for v in r.versions])
-        keep = staleness <= max_staleness
+        age = torch.tensor([staleness(current_version, v) for v in r.versions])
+        keep = age <= max_staleness
         dropped += int((~keep).sum())
         if not keep.any():
             continue
@@ -117,7 +131,7 @@ def grpo_loss(
         surrogate = torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
         terms.append(-surrogate)
         used += int(keep.sum())
-        oldest = max(oldest, int(staleness[keep].max()))
+        oldest = max(oldest, int(age[keep].max()))
         clipped += int(((ratio < 1 - clip) | (ratio > 1 + clip)).sum())
     if not terms:  # nothing to learn from: a loss without a gradient
         return torch.zeros(()), LossStats(0.0, 0, dropped, 0, 0.0)

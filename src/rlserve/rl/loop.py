@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlserve.client import AsyncClient, ChannelCredentials, Client
-from rlserve.rl.grpo import completion_logprobs, group_advantages, grpo_loss
+from rlserve.rl.grpo import UNKNOWN, completion_logprobs, group_advantages, grpo_loss, staleness
 from rlserve.rl.rollout import Rollout, SamplingConfig, sample_batch
 from rlserve.rl.tasks import Problem, Task
 from rlserve.trainer import SyncStats, WeightSync
@@ -308,7 +308,7 @@ class GrpoLoop:
         loss, stats = grpo_loss(
             logprobs, learning, current_version=policy.version, max_staleness=cfg.max_staleness, clip=cfg.clip
         )
-        staleness = [policy.version - int(v) for r in rollouts for v in r.versions]
+        ages = [a for r in rollouts for v in r.versions if (a := staleness(policy.version, v)) != UNKNOWN]
         policy.step(loss, cfg.max_grad_norm)
         train_s = time.perf_counter() - t0
         phase(f"step {step}: syncing version {policy.version}")
@@ -330,7 +330,7 @@ class GrpoLoop:
             transfer_s=synced.transfer_s,
             tokens_per_s=tokens / sample_s if sample_s > 0 else 0.0,
             token_versions=dict(Counter(v for r in rollouts for v in r.versions)),
-            staleness_mean=sum(staleness) / len(staleness) if staleness else 0.0,
+            staleness_mean=sum(ages) / len(ages) if ages else 0.0,
             staleness_max_used=stats.max_staleness_used,
             tokens_used=stats.tokens_used,
             tokens_dropped=stats.tokens_dropped,
@@ -359,8 +359,9 @@ class GrpoLoop:
         scored: dict[tuple[int, str], torch.Tensor] = {}
         with torch.no_grad():
             for v, members in by_version.items():
-                weights = None if int(v) == policy.version else policy.weights_of(int(v))
-                if weights is None and int(v) != policy.version:
+                age = staleness(policy.version, v)
+                weights = None if age == 0 else policy.weights_of(policy.version - age)
+                if age != 0 and weights is None:  # not kept, or never published by this trainer
                     continue
                 for r, lp in zip(members, completion_logprobs(policy.model, members, policy.pad_id, weights)):
                     scored[id(r), v] = lp

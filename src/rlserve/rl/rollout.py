@@ -100,12 +100,19 @@ async def sample_group(
                 prompt_ids=list(prompt_ids),
                 completion_ids=ids,
                 logprobs=logprobs,
-                versions=versions_from_spans(final.weight_version_spans, len(ids)),
+                versions=_versions(final, i, len(ids)),
                 text="".join(texts),
                 finish=pb.FinishInfo.FinishReason.Name(final.finish_info.finish_reason),
             )
         )
     return rollouts
+
+
+def _versions(final: pb.SequenceOutput, index: int, num_tokens: int) -> list[str]:
+    try:
+        return versions_from_spans(final.weight_version_spans, num_tokens)
+    except ValueError as e:  # a server that does not report spans (not rlserve), or a bug
+        raise RuntimeError(f"sequence {index}: {e}") from e
 
 
 async def sample_batch(

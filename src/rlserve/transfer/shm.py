@@ -75,7 +75,8 @@ class Segment:
         """A new segment only this user can open; raises FileExistsError for a taken name."""
         fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Reserved now, so a full /dev/shm is an OSError here, not a SIGBUS on first write.
+            os.posix_fallocate(fd, 0, size)
             return cls(name, size, mmap.mmap(fd, size))
         except BaseException:
             unlink(name)
