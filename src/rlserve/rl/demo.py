@@ -25,9 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="the started server's dtype (the trainer trains in float32)")
     p.add_argument(
         "--backend",
-        default="rlserve_gloo",
-        choices=("rlserve_gloo", "rlserve_shm"),
-        help="the started server's weight transport (rlserve_shm: shared memory, faster on one host)",
+        default="rlserve_shm",
+        choices=("rlserve_shm", "rlserve_gloo"),
+        help="the started server's weight transport (it runs on this host: shared memory by default)",
     )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--minutes", type=float, default=10.0, help="stop after this long (0: no limit)")
