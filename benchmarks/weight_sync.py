@@ -147,6 +147,7 @@ def sdk_seconds(target: str, weights: dict[str, torch.Tensor], repeats: int, per
     return {
         "transfer_s": median([r.transfer_s for r in runs]),
         "pause_to_resume_s": median([r.pause_to_resume_s for r in runs]),
+        "commit_s": median([r.commit_s for r in runs]),
         "num_chunks": runs[0].num_chunks,
     }
 

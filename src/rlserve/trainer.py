@@ -79,6 +79,8 @@ class SyncStats:
     transfer_s: float
     pause_to_resume_s: float
     checksum: str
+    # FinishWeightUpdate: the server's commit into the model (and its prefix-cache reset).
+    commit_s: float = 0.0
 
     @property
     def transfer_gb_per_s(self) -> float:
@@ -346,7 +348,9 @@ class WeightSync:
                 bar.close()
             transfer_s = time.perf_counter() - t0
             finish = cpb.FinishWeightUpdateRequest(weight_version=version)
+            t_commit = time.perf_counter()
             control.FinishWeightUpdate(finish, timeout=self._step_timeout_s(num_bytes))
+            commit_s = time.perf_counter() - t_commit
         except Exception as e:
             raise self._recover(e) from e
         control.ResumeGeneration(cpb.ResumeGenerationRequest(), timeout=rpc_s)
@@ -360,6 +364,7 @@ class WeightSync:
             num_chunks=len(chunks),
             transfer_s=transfer_s,
             pause_to_resume_s=pause_to_resume_s,
+            commit_s=commit_s,
             checksum=checksum,
         )
 
