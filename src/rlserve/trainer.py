@@ -212,9 +212,6 @@ class ShmSender:
             if bar is not None:
                 bar.update(meta.num_bytes)
 
-    def forget(self) -> None:
-        self.joined = False
-
     def close(self) -> None:
         self.unlink()
         self.segment.close()
@@ -227,7 +224,7 @@ def side_by_side(chunks: list[ChunkInfo]) -> tuple[list[ChunkInfo], int]:
     for chunk in chunks:
         start = (end + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
         placed.append(dataclasses.replace(chunk, segment_offset=start))
-        end = start + plan_buckets(chunk.tensors, 1 << 62)[0].num_bytes
+        end = start + shm.span(chunk)
     return placed, end
 
 

@@ -158,6 +158,16 @@ def raise_for(reply: Reply, field: str) -> None:
     raise RuntimeError(f"a worker failed: {message}")
 
 
+def _parse_init_info(parse: Callable[[Mapping[str, Any], float], Any], raw: Any, max_timeout_s: float) -> Any:
+    """An rlserve backend's typed init_info; INVALID_ARGUMENT naming init_info_json."""
+    if not isinstance(raw, Mapping):
+        raise InvalidRequest("init_info_json", "must be a JSON object")
+    try:
+        return parse(raw, max_timeout_s)
+    except ProtocolError as e:
+        raise InvalidRequest("init_info_json", str(e)) from e
+
+
 class GlooTransport(WeightTransport):
     backend = BACKEND_NAME
     stages_updates = True
@@ -168,12 +178,7 @@ class GlooTransport(WeightTransport):
         self._hub = NotificationHub()
 
     def parse_init(self, raw: Any, max_timeout_s: float) -> TransportInit:
-        if not isinstance(raw, Mapping):
-            raise InvalidRequest("init_info_json", "must be a JSON object")
-        try:
-            info = InitInfo.parse(raw, max_timeout_s)
-        except ProtocolError as e:
-            raise InvalidRequest("init_info_json", str(e)) from e
+        info = _parse_init_info(InitInfo.parse, raw, max_timeout_s)
         if info.rank_offset + self._workers.num_workers > info.world_size:
             raise InvalidRequest(
                 "init_info_json",
@@ -270,18 +275,8 @@ class ShmTransport(GlooTransport):
     backend = SHM_BACKEND_NAME
 
     def parse_init(self, raw: Any, max_timeout_s: float) -> TransportInit:
-        if not isinstance(raw, Mapping):
-            raise InvalidRequest("init_info_json", "must be a JSON object")
-        try:
-            info = ShmInit.parse(raw, max_timeout_s)
-        except ProtocolError as e:
-            raise InvalidRequest("init_info_json", str(e)) from e
+        info = _parse_init_info(ShmInit.parse, raw, max_timeout_s)
         return TransportInit(info.timeout_s, f"segment={info.segment} size={info.size}", info.to_json())
-
-    def parse_chunk(self, raw: Any) -> Chunk:
-        if isinstance(raw, list):
-            raise InvalidRequest("update_info_json", "rlserve_shm takes one update_info object for every worker")
-        return super().parse_chunk(raw)
 
     async def init(self, init: TransportInit) -> None:
         try:

@@ -17,20 +17,17 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import uuid
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlserve.transfer.protocol import ChunkInfo, ErrorCode, InitInfo, WorkerError, plan_buckets
+from rlserve.transfer.protocol import SHM_DIR, ChunkInfo, ErrorCode, InitInfo, WorkerError, plan_buckets
 
 # Margin for the helper's own deadlines to fire first and report what went wrong.
 ANSWER_MARGIN_S = 5.0
 # Starting Python and importing torch in the helper.
 START_S = 60.0
-SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
 class GlooLink:

@@ -9,8 +9,10 @@ boundary. Pure Python plus xxhash; torch only inside the digest.
 from __future__ import annotations
 
 import enum
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import xxhash
@@ -18,6 +20,8 @@ import xxhash
 BACKEND_NAME = "rlserve_gloo"
 # Same protocol after the rendezvous, through a shared-memory segment (see `shm`).
 SHM_BACKEND_NAME = "rlserve_shm"
+# Where both backends keep their shared-memory files.
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 CHECKSUM_ALGORITHM = "xxh3-128"
 # Tensors start on this boundary inside a bucket so the receiver can view them in place.
@@ -91,6 +95,22 @@ def _require(raw: Mapping[str, Any], key: str, kind: type | tuple[type, ...], wh
     return value
 
 
+def require_known_keys(raw: Mapping[str, Any], known: set[str]) -> None:
+    unknown = set(raw) - known
+    if unknown:
+        raise ProtocolError(f"unknown init_info keys {sorted(unknown)}; expected {sorted(known)}")
+
+
+def parse_timeout(raw: Mapping[str, Any], default_timeout_s: float) -> float:
+    """init_info's optional `timeout_s`: defaults to, and is capped by, `default_timeout_s`."""
+    timeout_s = raw.get("timeout_s", default_timeout_s)
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise ProtocolError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+    if not 0 < timeout_s < float("inf"):
+        raise ProtocolError("timeout_s must be a positive number of seconds")
+    return min(float(timeout_s), default_timeout_s)
+
+
 @dataclass(frozen=True)
 class InitInfo:
     master_address: str
@@ -102,26 +122,19 @@ class InitInfo:
     @classmethod
     def parse(cls, raw: Mapping[str, Any], default_timeout_s: float) -> InitInfo:
         """Strictly typed; `timeout_s` defaults to (and is capped by) `default_timeout_s`."""
-        known = set(cls.__dataclass_fields__)
-        unknown = set(raw) - known
-        if unknown:
-            raise ProtocolError(f"unknown init_info keys {sorted(unknown)}; expected {sorted(known)}")
+        require_known_keys(raw, set(cls.__dataclass_fields__))
         address = _require(raw, "master_address", str, "a host name or address")
         port = _require(raw, "master_port", int, "an integer")
         rank_offset = _require(raw, "rank_offset", int, "an integer")
         world_size = _require(raw, "world_size", int, "an integer")
-        timeout_s = raw.get("timeout_s", default_timeout_s)
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-            raise ProtocolError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+        timeout_s = parse_timeout(raw, default_timeout_s)
         if not address or not 0 < port < 65536 or not 2 <= world_size <= MAX_WORLD_SIZE:
             raise ProtocolError(
                 f"need a master_address, 0 < master_port < 65536 and 2 <= world_size <= {MAX_WORLD_SIZE}"
             )
         if not 1 <= rank_offset < world_size:
             raise ProtocolError(f"need 1 <= rank_offset < world_size ({world_size}); the trainer is rank 0")
-        if not 0 < timeout_s < float("inf"):
-            raise ProtocolError("timeout_s must be a positive number of seconds")
-        return cls(address, port, rank_offset, world_size, min(float(timeout_s), default_timeout_s))
+        return cls(address, port, rank_offset, world_size, timeout_s)
 
     def to_json(self) -> dict[str, Any]:
         return {

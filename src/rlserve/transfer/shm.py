@@ -22,18 +22,25 @@ import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlserve.transfer.protocol import ChunkInfo, ErrorCode, ProtocolError, WorkerError, plan_buckets, tensor_checksum
+from rlserve.transfer.protocol import (
+    SHM_DIR,
+    ChunkInfo,
+    ErrorCode,
+    ProtocolError,
+    WorkerError,
+    parse_timeout,
+    plan_buckets,
+    require_known_keys,
+    tensor_checksum,
+)
 
-SHM_DIR = Path("/dev/shm")
 # A name, never a path: the server maps segments of this shape and nothing else.
 SEGMENT_NAME = re.compile(r"rlserve-shm-[A-Za-z0-9_.-]{1,200}")
 MAX_SEGMENT_BYTES = 1 << 40
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -44,19 +51,13 @@ class ShmInit:
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any], default_timeout_s: float) -> ShmInit:
-        known = set(cls.__dataclass_fields__)
-        unknown = set(raw) - known
-        if unknown:
-            raise ProtocolError(f"unknown init_info keys {sorted(unknown)}; expected {sorted(known)}")
+        require_known_keys(raw, set(cls.__dataclass_fields__))
         segment, size = raw.get("segment"), raw.get("size")
         if not isinstance(segment, str) or SEGMENT_NAME.fullmatch(segment) is None:
             raise ProtocolError(f"segment must be a name matching {SEGMENT_NAME.pattern}, got {str(segment)[:80]!r}")
         if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_SEGMENT_BYTES:
             raise ProtocolError(f"size must be an integer number of bytes in 1..{MAX_SEGMENT_BYTES}")
-        timeout_s = raw.get("timeout_s", default_timeout_s)
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
-            raise ProtocolError("timeout_s must be a positive number of seconds")
-        return cls(segment, size, min(float(timeout_s), default_timeout_s))
+        return cls(segment, size, parse_timeout(raw, default_timeout_s))
 
     def to_json(self) -> dict[str, Any]:
         return {"segment": self.segment, "size": self.size, "timeout_s": self.timeout_s}
@@ -115,10 +116,21 @@ def unlink(name: str) -> None:
         pass
 
 
+def _packed(chunk: ChunkInfo):
+    """The chunk's tensors packed as one bucket (64-byte aligned, in order)."""
+    (bucket,) = plan_buckets(chunk.tensors, 1 << 62)
+    return bucket
+
+
+def span(chunk: ChunkInfo) -> int:
+    """The bytes a chunk takes in a segment."""
+    return _packed(chunk).num_bytes
+
+
 def layout(chunk: ChunkInfo, segment_size: int) -> tuple[int, list[tuple[int, int]]]:
     """(bytes the chunk spans, [(tensor index, byte offset in the segment)]) for a chunk laid
     out from its `segment_offset`; raises ProtocolError when it does not fit the segment."""
-    (bucket,) = plan_buckets(chunk.tensors, 1 << 62)
+    bucket = _packed(chunk)
     end = chunk.segment_offset + bucket.num_bytes
     if end > segment_size:
         raise ProtocolError(
@@ -177,7 +189,7 @@ class ShmLink:
         for index, offset in placements:
             meta = info.tensors[index]
             raw = self._landing[offset : offset + meta.num_bytes]
-            tensor = raw.view(TORCH_DTYPES[meta.dtype_name]).view(meta.shape)
+            tensor = raw.view(getattr(torch, meta.dtype_name)).view(meta.shape)
             received[meta.name] = tensor
             digests[meta.name] = tensor_checksum(tensor)
         return True, received, digests

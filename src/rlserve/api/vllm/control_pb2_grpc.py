@@ -274,9 +274,9 @@ class ControlServicer:
     def InitWeightTransferEngine(self, request, context):
         """Set up the configured weight-transfer backend's transport with the trainer from
         init_info_json (backend-specific; for collectives: master_address, master_port,
-        rank_offset, world_size, optional timeout_s; the trainer is rank 0). Bounded by a
-        deadline: timeout_s, capped by the server's --transfer-timeout-s. With rlserve_gloo the
-        server keeps generating and answering while it waits for the trainer, and a caller that
+        rank_offset, world_size, optional timeout_s; the trainer is rank 0; for rlserve_shm:
+        segment, size, optional timeout_s). Bounded by a deadline: timeout_s, capped by the
+        server's --transfer-timeout-s. With rlserve_gloo and rlserve_shm the server keeps generating and answering while it waits for the trainer, and a caller that
         goes away ends the wait. Re-init replaces the old transport; a failed init leaves it as
         it was.
         Status: FAILED_PRECONDITION without weight transfer configured; INVALID_ARGUMENT for
@@ -300,7 +300,7 @@ class ControlServicer:
     def StartDraftWeightUpdate(self, request, context):
         """As StartWeightUpdate, for the speculative-decoding draft model.
         Status: FAILED_PRECONDITION when the engine has no draft model or the backend cannot
-        update one (rlserve_gloo cannot).
+        update one (rlserve_gloo and rlserve_shm cannot).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -308,13 +308,14 @@ class ControlServicer:
 
     def UpdateWeights(self, request, context):
         """Receive one chunk described by update_info_json (for rlserve_gloo: names, dtype_names,
-        shapes, checksums, bucket_bytes) while the trainer sends it on the backend's transport.
+        shapes, checksums, bucket_bytes; rlserve_shm adds segment_offset, where the chunk lies in
+        the trainer's segment) while the trainer sends it on the backend's transport.
         A partial update is fine: the other tensors of a fused layer it touches are completed
         from the weights being served. Status: FAILED_PRECONDITION without an open session or
         with a broken transport; INVALID_ARGUMENT for bad JSON, unknown or duplicate names,
         wrong shapes or dtypes, mismatched list lengths or checksums; DEADLINE_EXCEEDED when the
         trainer stops sending (the transport is then out of step: re-initialize it). Any error
-        drops the session; with rlserve_gloo the served weights are unchanged.
+        drops the session; with rlserve_gloo and rlserve_shm the served weights are unchanged.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -109,8 +109,8 @@ class LifecycleServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AbortWeightUpdate(self, request, context):
-        """Drop the open weight-update session. With the rlserve_gloo backend (which stages what it
-        receives) the model keeps the weights and version it had; with an in-place backend
+        """Drop the open weight-update session. With rlserve_gloo or rlserve_shm (which stage what
+        they receive) the model keeps the weights and version it had; with an in-place backend
         (vLLM's nccl, ipc, ...) the weights are marked inconsistent and resume is refused until
         a complete update succeeds. Idempotent: OK when no session is open. A session that sees
         no call for its lease (--update-lease-s, default the transfer timeout) is aborted the
@@ -150,7 +150,8 @@ class LifecycleServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StartLoraUpdate(self, request, context):
-        """Push a LoRA adapter from the trainer through the weight transport (rlserve_gloo), staged
+        """Push a LoRA adapter from the trainer through the weight transport (rlserve_gloo or
+        rlserve_shm), staged
         and verified like a full update, without pausing generation: StartLoraUpdate, then
         vllm.Control/UpdateWeights with chunks of PEFT-named tensors (base_model.model.<layer>.
         lora_A/B.weight, in the served dtype, checked against the checkpoint's layers and the
@@ -160,7 +161,7 @@ class LifecycleServicer:
         old version is unloaded after the last of them; its prefix cache goes with it.
         AbortWeightUpdate (or a failure, or the session lease) leaves the old version serving.
         A name means one set of weights: a loaded name is ABORTED unless new_version is set.
-        Status: FAILED_PRECONDITION without --enable-lora, without rlserve_gloo, or without a
+        Status: FAILED_PRECONDITION without --enable-lora, without an rlserve backend, or without a
         ready transport; ABORTED when a session or an init is open, or for the name rule;
         RESOURCE_EXHAUSTED when the engine keeps no more adapters.
         """
