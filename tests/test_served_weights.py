@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import cloudpickle
 import grpc
+import pytest
 import pytest_asyncio
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
@@ -23,7 +24,7 @@ from rlserve.config import ServeConfig
 from rlserve.transfer.protocol import tensor_checksum
 
 from conftest import insecure_serialization
-from helpers import KEEP, HandTrainer, checkpoint, chunk_of, expect, greedy, pause, reference_outputs, serving
+from helpers import KEEP, HandTrainer, checkpoint, chunk_of, greedy, pause, reference_outputs, serving
 
 # Functions sent to the worker travel by value: the worker cannot import this test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -148,24 +149,30 @@ async def test_vllms_weight_reset_shows_what_is_really_served(s, engine_, tiny_m
 
 
 def _fail_next_load(worker) -> None:
-    """The next commit fails half way (as an out-of-memory would), once."""
-    model = worker.model_runner.get_model()
-    load = model.load_weights
+    """The next update's loading fails after 3 tensors (as an out-of-memory would), once. It
+    runs on the update's shadow of the model: patched on the class, which the shadow shares."""
+    cls = type(worker.model_runner.get_model())
+    load = cls.load_weights
 
-    def failing(weights):
-        model.load_weights = load
+    def failing(self, weights):
+        cls.load_weights = load
         for i, item in enumerate(weights):
             if i == 3:
                 raise RuntimeError("simulated failure after 3 tensors")
-            load(iter([item]))
+            load(self, iter([item]))
 
-    model.load_weights = failing
+    cls.load_weights = failing
 
 
-async def test_a_failed_commit_is_reported_and_the_next_update_recovers(
+async def test_a_load_that_fails_half_way_changes_nothing_and_the_next_update_lands(
     s, engine_, tiny_model_dir, tmp_path, engine_config
 ):
+    """The update is loaded into shadows as it arrives: a failure half way (here, after 3
+    tensors) leaves the served weights, digests and version as they were, and generation
+    may resume at once."""
     weights = checkpoint(tiny_model_dir)
+    before = await served(s)
+    version = (await s.lifecycle.GetState(lpb.GetStateRequest())).weight_version
     with insecure_serialization():
         await engine_.llm.collective_rpc(_fail_next_load)
     trainer = HandTrainer(s.target)
@@ -174,18 +181,16 @@ async def test_a_failed_commit_is_reported_and_the_next_update_recovers(
         await pause(s.control, KEEP)
         await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
         pairs = sorted((n, t * 1.5) for n, t in weights.items())
-        await trainer.send(chunk_of(pairs), [t for _, t in pairs])
-        details = await expect(
-            grpc.StatusCode.INTERNAL,
-            s.control.FinishWeightUpdate(cpb.FinishWeightUpdateRequest(weight_version="never")),
-        )
-        assert "simulated failure" in details
+        with pytest.raises(grpc.RpcError) as e:
+            await trainer.send(chunk_of(pairs), [t for _, t in pairs])
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "simulated failure" in e.value.details()
     finally:
         trainer.close()
     state = await s.lifecycle.GetState(lpb.GetStateRequest())
-    assert not state.weights_consistent and state.weight_version != "never"
-    await expect(grpc.StatusCode.FAILED_PRECONDITION, s.control.ResumeGeneration(cpb.ResumeGenerationRequest()))
-    # The next complete update is taken, and serves exactly the checkpoint again.
+    assert state.weights_consistent and state.weight_version == version and not state.HasField("update_session")
+    assert dict((await served(s)).per_tensor) == dict(before.per_tensor)
+    await s.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+    # The transport is still in step with the trainer: the next complete update is taken.
     await update(s, weights, "recovered")
     state = await s.lifecycle.GetState(lpb.GetStateRequest())
     assert state.weights_consistent and state.weight_version == "recovered"

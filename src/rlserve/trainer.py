@@ -14,7 +14,6 @@ safe, and raises `WeightSyncError`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import time
@@ -34,7 +33,6 @@ from rlserve.config import DEFAULT_TRANSFER_TIMEOUT_S
 from rlserve.transfer import shm
 from rlserve.transfer.gloo_group import GlooGroup
 from rlserve.transfer.protocol import (
-    ALIGN_BYTES,
     BACKEND_NAME,
     DEFAULT_BUCKET_BYTES,
     DTYPE_BYTES,
@@ -188,7 +186,8 @@ class ShmSender:
     `write(chunk, tensors)`, then send `chunk.to_json()` to UpdateWeights."""
 
     def __init__(self, capacity: int, *, timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S) -> None:
-        """`capacity`: bytes, at least what `side_by_side` says an update needs."""
+        """`capacity`: bytes, at least the largest chunk's `shm.span`: every chunk is written
+        from offset 0 (the workers have copied a chunk out when UpdateWeights answers)."""
         # Unique per trainer process and session; the server maps only names of this shape.
         name = f"rlserve-shm-{os.getpid()}-{uuid.uuid4().hex}"
         self.segment = shm.Segment.create(name, capacity)
@@ -215,17 +214,6 @@ class ShmSender:
     def close(self) -> None:
         self.unlink()
         self.segment.close()
-
-
-def side_by_side(chunks: list[ChunkInfo]) -> tuple[list[ChunkInfo], int]:
-    """The chunks of one update placed one after the other in a segment (each at a 64-byte
-    boundary, its tensors packed as the workers read them), and the segment size they need."""
-    placed, end = [], 0
-    for chunk in chunks:
-        start = (end + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
-        placed.append(dataclasses.replace(chunk, segment_offset=start))
-        end = start + shm.span(chunk)
-    return placed, end
 
 
 def plan_sync(
@@ -430,7 +418,7 @@ class WeightSync:
         )
         needed = 0
         if state.capabilities.weight_transfer_backend == SHM_BACKEND_NAME:
-            chunks, needed = side_by_side(chunks)
+            needed = max(shm.span(chunk) for chunk in chunks)
         small = isinstance(self._sender, ShmSender) and self._sender.capacity < needed
         if self._sender is None or not self._sender.joined or not state.transport_ready or small:
             self.init(shm_capacity=needed or DEFAULT_CHUNK_BYTES)

@@ -2,7 +2,8 @@
 vLLM's own frontends can drive them too (their calls block vLLM's engine loop, as every vLLM
 backend does). rlserve's server drives the same `Receiver` through the worker extension
 instead, with the long parts off the engine loop. The staging and the commit live in
-`receiver.py`; an engine only knows how to parse its init_info and connect its link.
+`receiver.py` and `shadow.py`; an engine only knows how to parse its init_info and connect
+its link.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from rlserve.transfer.manifest import read_manifest
 from rlserve.transfer.protocol import ChunkInfo, InitInfo, ProtocolError
 from rlserve.transfer.receiver import Receiver
 from rlserve.transfer.served import ServedWeights
+from rlserve.transfer.shadow import ShadowUpdate
 from rlserve.transfer.shm import ShmInit, ShmLink
 
 
@@ -30,6 +32,7 @@ class _RlserveEngine(WeightTransferEngine):  # type: ignore[type-var]
         self.manifest = read_manifest(vllm_config.model_config.model)
         dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         self.receiver = Receiver(self.manifest, pc.data_parallel_index * pc.world_size + pc.rank, dtype)
+        self._served: ServedWeights | None = None
 
     def parse_transport_init(self, raw: dict[str, Any], max_timeout_s: float) -> Any:
         """The typed init_info; raises ProtocolError."""
@@ -55,7 +58,9 @@ class _RlserveEngine(WeightTransferEngine):  # type: ignore[type-var]
         self.connect(init_info)
 
     def start_weight_update(self) -> None:
-        self.receiver.start_session()
+        if self._served is None:
+            self._served = ServedWeights(self.model, self.manifest, self.parallel_config.tensor_parallel_size)
+        self.receiver.start_session(ShadowUpdate(self.model, self._served))
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronizes the accelerator after receiving; these are synchronous.
@@ -65,8 +70,7 @@ class _RlserveEngine(WeightTransferEngine):  # type: ignore[type-var]
         self.receiver.receive(update_info)
 
     def finish_weight_update(self) -> None:
-        served = ServedWeights(self.model, self.manifest, self.parallel_config.tensor_parallel_size)
-        self.receiver.commit(self.model, self.model_config, served)
+        self.receiver.commit()
 
     def shutdown(self) -> None:
         self.receiver.shutdown()

@@ -1,7 +1,8 @@
 """The process that holds one worker's gloo membership (see `gloo_link`): `python -m
 rlserve.transfer.gloo_helper FD`, where FD is its end of a socket pair with the worker. It
-answers one JSON line per request: join the trainer's group, vote and receive a chunk into
-the shared memory the worker named (digesting each tensor as its bucket arrives), close.
+answers each request with JSON lines: join the trainer's group; vote and receive a chunk into
+the worker's landing area (mapped once, when the worker names a new one), one line per bucket
+with its digests as soon as it has landed, then a last line; close.
 Everything that can go wrong with the trainer goes wrong here, not in the vLLM worker."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from rlserve.transfer.protocol import ChunkInfo, ErrorCode, InitInfo, plan_bucke
 
 def serve(sock: socket.socket) -> None:
     group: GlooGroup | None = None
+    landing: torch.Tensor | None = None
     reader = sock.makefile("rb")
     while line := reader.readline():
         request = json.loads(line)
@@ -43,7 +45,11 @@ def serve(sock: socket.socket) -> None:
             elif op == "chunk":
                 if group is None:
                     raise RuntimeError("no group")
-                reply = receive(group, request)
+                if request["path"]:
+                    landing = torch.from_file(request["path"], shared=True, size=request["size"], dtype=torch.uint8)
+                if landing is None or landing.numel() < request["size"]:
+                    raise RuntimeError("no landing area of that size was named")
+                reply = receive(group, request, landing, sock)
             else:
                 reply = {"ok": False, "code": ErrorCode.WRONG_STATE.value, "message": f"unknown operation {op!r}"}
         except Exception as e:  # gloo: timeout, a peer gone, store errors
@@ -53,26 +59,26 @@ def serve(sock: socket.socket) -> None:
             return  # a failed collective leaves the group out of step: this helper is done
 
 
-def receive(group: GlooGroup, request: dict[str, Any]) -> dict[str, Any]:
+def receive(group: GlooGroup, request: dict[str, Any], landing: torch.Tensor, sock: socket.socket) -> dict[str, Any]:
     if not group.vote(bool(request["accept"])):
         return {"ok": True, "go": False}
     info = ChunkInfo.parse(request["info"])
-    memory = torch.from_file(request["path"], shared=True, size=request["size"], dtype=torch.uint8)
     buckets = plan_buckets(info.tensors, info.bucket_bytes)
     buffers, start = [], 0
     for bucket in buckets:
-        buffers.append(memory[start : start + bucket.num_bytes])
+        buffers.append(landing[start : start + bucket.num_bytes])
         start += bucket.num_bytes
-    # Post every receive at once, then digest each bucket while later ones arrive.
+    # Post every receive at once; digest and report each bucket while later ones arrive.
     works = [group.broadcast_async(buffer) for buffer in buffers]
-    checksums = [""] * len(info.tensors)
-    for bucket, buffer, work in zip(buckets, buffers, works):
+    for i, (bucket, buffer, work) in enumerate(zip(buckets, buffers, works)):
         work.wait()
+        checksums = []
         for index, offset in bucket.placements:
             meta = info.tensors[index]
             tensor = buffer[offset : offset + meta.num_bytes].view(getattr(torch, meta.dtype_name)).view(meta.shape)
-            checksums[index] = tensor_checksum(tensor)
-    return {"ok": True, "go": True, "checksums": checksums}
+            checksums.append(tensor_checksum(tensor))
+        sock.sendall(json.dumps({"ok": True, "go": True, "bucket": i, "checksums": checksums}).encode() + b"\n")
+    return {"ok": True, "go": True, "done": True}
 
 
 if __name__ == "__main__":

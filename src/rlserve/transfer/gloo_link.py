@@ -4,9 +4,10 @@ gloo aborts its whole process when a peer sends a message of the wrong size (a t
 bug in its bucket plan, or a hostile one): that process must not be the vLLM worker. So each
 worker starts a small helper (`python -m rlserve.transfer.gloo_helper`) that joins the
 trainer's group, votes and receives each chunk straight into shared memory the worker maps
-(no copy), and digests the tensors meanwhile (on another core than the worker's). The two
-talk over a socket pair, one JSON line each way per operation. A helper that dies or stops
-answering in time is a broken transport, never a dead worker.
+(no copy; one landing area, kept and reused while chunks fit it), digests each bucket as it
+lands (on another core than the worker's) and reports it at once, so the worker loads bucket
+k while bucket k+1 is on the wire. The two talk over a socket pair, JSON lines. A helper that
+dies or stops answering in time is a broken transport, never a dead worker.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +38,9 @@ class GlooLink:
         self._process = process
         self._sock = sock
         self._reader = sock.makefile("rb")
+        # Where chunks land: created (and touched) when a chunk first needs more room, its
+        # name removed once the helper has mapped it.
+        self._landing: torch.Tensor | None = None
 
     @classmethod
     def join(cls, info: InitInfo, rank: int) -> GlooLink:
@@ -60,24 +66,55 @@ class GlooLink:
         return link
 
     def exchange(
-        self, info: ChunkInfo, accept: bool, timeout_s: float
-    ) -> tuple[bool, dict[str, torch.Tensor], dict[str, str]]:
-        """Vote (`accept`) with the trainer and, when everyone accepts, receive the chunk.
-        Returns (everyone accepted, the tensors, their digests as the helper computed them
-        from the bytes that arrived). Raises WorkerError (TIMEOUT: the transport is broken)."""
-        path = SHM_DIR / f"rlserve-chunk-{os.getpid()}-{uuid.uuid4().hex}"
-        size = max(1, sum(_bucket_sizes(info)))
-        memory = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        self,
+        info: ChunkInfo,
+        accept: bool,
+        timeout_s: float,
+        deliver: Callable[[dict[str, torch.Tensor], dict[str, str]], None],
+    ) -> bool:
+        """Vote (`accept`) with the trainer and, when everyone accepts, receive the chunk,
+        handing each bucket to `deliver` (its tensors as views of the landing area, and their
+        digests as the helper computed them from the bytes that arrived) as it lands.
+        Returns whether everyone accepted. Raises WorkerError (TIMEOUT: the transport is
+        broken), or what `deliver` raised once the chunk has been received to its end."""
+        sizes = _bucket_sizes(info)
+        landing, path = self._landing_for(max(1, sum(sizes)))
+        deadline = time.monotonic() + timeout_s
+        request = {"op": "chunk", "accept": accept, "path": path, "size": landing.numel(), "info": info.to_json()}
         try:
-            reply = self._ask(
-                {"op": "chunk", "accept": accept, "path": str(path), "size": size, "info": info.to_json()}, timeout_s
-            )
+            reply = self._ask(request, timeout_s)
         finally:
-            path.unlink(missing_ok=True)  # both sides have it mapped; the name is not needed
+            if path:
+                os.unlink(path)  # both sides have it mapped; the name is not needed
         if not reply["go"]:
-            return False, {}, {}
-        digests = {meta.name: digest for meta, digest in zip(info.tensors, reply["checksums"])}
-        return True, _views(memory, info), digests
+            return False
+        buckets = plan_buckets(info.tensors, info.bucket_bytes)
+        starts = bucket_offsets(info)
+        failure: BaseException | None = None
+        while not reply.get("done"):
+            index = reply["bucket"]
+            tensors = _views(landing, info, buckets[index], starts[index])
+            if failure is None:
+                try:
+                    deliver(tensors, dict(zip(tensors, reply["checksums"])))
+                except BaseException as e:  # the helper goes on to the chunk's end: in step
+                    failure = e
+            reply = self._ask(None, max(0.0, deadline - time.monotonic()))
+        if failure is not None:
+            raise failure
+        return True
+
+    def _landing_for(self, size: int) -> tuple[torch.Tensor, str]:
+        """The landing area, grown to `size` bytes if needed, and its path if the helper has
+        yet to map it."""
+        if self._landing is not None and self._landing.numel() >= size:
+            return self._landing, ""
+        self._landing = None  # the old one is unmapped here; the helper drops it on the new path
+        path = str(SHM_DIR / f"rlserve-chunk-{os.getpid()}-{uuid.uuid4().hex}")
+        landing = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        landing.zero_()  # its pages exist from now on, not at the first bucket of every chunk
+        self._landing = landing
+        return landing, path
 
     def close(self) -> None:
         try:
@@ -93,17 +130,16 @@ class GlooLink:
                 self._process.kill()
                 self._process.wait()
 
-    def begin_session(self) -> None:
-        pass
-
     def misfit(self, info: ChunkInfo) -> str | None:
         # Buckets of any size go over the wire; a segment offset means nothing here.
         return "segment_offset is for rlserve_shm" if info.segment_offset else None
 
-    def _ask(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    def _ask(self, request: dict[str, Any] | None, timeout_s: float) -> dict[str, Any]:
+        """Send `request` (None: nothing, read the next line of an answer) and read a line."""
         try:
             self._sock.settimeout(timeout_s + ANSWER_MARGIN_S)
-            self._sock.sendall(json.dumps(request).encode() + b"\n")
+            if request is not None:
+                self._sock.sendall(json.dumps(request).encode() + b"\n")
             line = self._reader.readline()
         except (OSError, TimeoutError) as e:
             self._kill()
@@ -138,14 +174,11 @@ def bucket_offsets(info: ChunkInfo) -> list[int]:
     return offsets
 
 
-def _views(memory: torch.Tensor, info: ChunkInfo) -> dict[str, torch.Tensor]:
-    """Each tensor of the chunk, viewed in place in the shared memory it arrived in."""
+def _views(memory: torch.Tensor, info: ChunkInfo, bucket: Any, start: int) -> dict[str, torch.Tensor]:
+    """The tensors of one bucket (at byte `start`), viewed in place in the memory it landed in."""
     out: dict[str, torch.Tensor] = {}
-    for bucket, start in zip(plan_buckets(info.tensors, info.bucket_bytes), bucket_offsets(info)):
-        for index, offset in bucket.placements:
-            meta = info.tensors[index]
-            begin = start + offset
-            out[meta.name] = (
-                memory[begin : begin + meta.num_bytes].view(getattr(torch, meta.dtype_name)).view(meta.shape)
-            )
+    for index, offset in bucket.placements:
+        meta = info.tensors[index]
+        begin = start + offset
+        out[meta.name] = memory[begin : begin + meta.num_bytes].view(getattr(torch, meta.dtype_name)).view(meta.shape)
     return out

@@ -1,17 +1,17 @@
 """One inference worker's side of rlserve's transports (`rlserve_gloo`, `rlserve_shm`): its
 link to the trainer (a gloo group kept in a helper process, see `gloo_link`, or a mapped
-shared-memory segment, see `shm`), the open update session's staging, and the commit into
-the model.
+shared-memory segment, see `shm`), the open update session, and the commit.
 
 Per chunk: check the update_info against the checkpoint manifest and the served dtype, let
-the link deliver the chunk (gloo: vote with the trainer, so a refusal never leaves the
-trainer blocked, then receive the buckets; shm: copy out of the segment), verify every
-tensor's checksum, stage. At commit: complete partially sent layers from the served weights,
-then load everything through vLLM's layer-wise reload path (on CPU vLLM repacks linear
-weights after loading, so tensors are never written directly). An abort or any failure
-before the commit drops the staging and leaves the served weights untouched. A collective
-that failed or was abandoned half way leaves the group out of step with the trainer: it is
-then broken and only a new InitWeightTransferEngine makes it usable.
+the link deliver the chunk bucket by bucket (gloo: vote with the trainer, so a refusal never
+leaves the trainer blocked, then receive; shm: copy out of the segment), verify each
+bucket's checksums and hand its tensors to the session's `ShadowUpdate`, which loads and
+processes complete layers beside the served model while later buckets arrive. The commit
+swaps the shadows in. An abort or any failure before the commit drops the shadows and
+leaves the served weights untouched (in the in-place mode, layers already installed stay:
+the server reports the weights inconsistent). A collective that failed or was abandoned half
+way leaves the group out of step with the trainer: it is then broken and only a new
+InitWeightTransferEngine makes it usable.
 
 Thread-safe: the rendezvous and the receiving run in transfer threads, everything else on
 vLLM's engine loop.
@@ -23,6 +23,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,30 +34,39 @@ from rlserve.transfer.gloo_link import GlooLink
 from rlserve.transfer.manifest import ManifestEntry, lora_config_misfit, lora_misfit, lora_tensor_misfit
 from rlserve.transfer.notify import Notifier
 from rlserve.transfer.protocol import ChunkInfo, ErrorCode, InitInfo, WorkerError
-from rlserve.transfer.served import ServedWeights
+from rlserve.transfer.shadow import ShadowUpdate
 
 logger = logging.getLogger(__name__)
+
+
+# Called with each bucket's tensors (views the link reuses once it returns) and their digests.
+Deliver = Callable[[dict[str, torch.Tensor], dict[str, str]], None]
 
 
 class Link(Protocol):
     """How a chunk reaches this worker: `GlooLink` or `ShmLink`."""
 
-    def exchange(
-        self, info: ChunkInfo, accept: bool, timeout_s: float
-    ) -> tuple[bool, dict[str, torch.Tensor], dict[str, str]]:
-        """(whether the trainer sends, the tensors received, their digests). A WorkerError
-        means the link is out of step with the trainer."""
+    def exchange(self, info: ChunkInfo, accept: bool, timeout_s: float, deliver: Deliver) -> bool:
+        """Whether the trainer sends; if it does, `deliver` each bucket in order as it lands.
+        An exception from `deliver` ends the chunk (the link stays in step with the trainer)
+        and is raised. A WorkerError of the link's own means it is out of step."""
         ...
 
     def misfit(self, info: ChunkInfo) -> str | None:
         """Why this link cannot carry the chunk, if it cannot."""
         ...
 
-    def begin_session(self) -> None:
-        """A new update session starts: what the link keeps per session is dropped."""
-        ...
-
     def close(self) -> None: ...
+
+
+@dataclass
+class _Session:
+    # Model weights: the shadows they are built in. None for a LoRA adapter's session.
+    update: ShadowUpdate | None
+    # A LoRA adapter's session: its maximal rank and the tensors received (copies).
+    lora_rank: int | None = None
+    lora: dict[str, torch.Tensor] = field(default_factory=dict)
+    names: set[str] = field(default_factory=set)
 
 
 class Receiver:
@@ -70,10 +80,7 @@ class Receiver:
         self._timeout_s = 0.0
         self._broken = ""
         self._init_op: str | None = None
-        self._staged: dict[str, torch.Tensor] | None = None
-        # A session for a LoRA adapter (checked as one, written out instead of loaded): its
-        # maximal rank; None for a session of model weights.
-        self._lora_rank: int | None = None
+        self._session: _Session | None = None
         self._receiving = False
 
     # Rendezvous --------------------------------------------------------------------------
@@ -105,34 +112,34 @@ class Receiver:
                 link.close()
                 raise WorkerError(ErrorCode.WRONG_STATE, "a chunk is still being received on the old transport")
             old, self._link = self._link, link
-            self._broken, self._staged, self._init_op, self._timeout_s = "", None, None, timeout_s
+            self._broken, self._session, self._init_op, self._timeout_s = "", None, None, timeout_s
         if old is not None:
             old.close()
 
     def shutdown(self) -> None:
         with self._lock:
-            link, self._link, self._staged = self._link, None, None
+            link, self._link, self._session = self._link, None, None
         if link is not None:
             link.close()
 
     # Session -----------------------------------------------------------------------------
 
-    def start_session(self, lora_max_rank: int | None = None) -> None:
-        """A fresh session (of a LoRA adapter up to `lora_max_rank`, or of model weights):
-        whatever an earlier one left behind is dropped."""
+    def start_session(self, update: ShadowUpdate | None = None, lora_max_rank: int | None = None) -> None:
+        """A fresh session, of model weights built in `update`, or of a LoRA adapter up to
+        `lora_max_rank`: whatever an earlier one left behind is dropped."""
+        if (update is None) == (lora_max_rank is None):
+            raise ValueError("a session carries model weights or a LoRA adapter")
         with self._lock:
             self._check_transport()
             if self._receiving:
                 raise WorkerError(ErrorCode.WRONG_STATE, "a chunk of an earlier session is still being received")
-            self._staged, self._lora_rank = {}, lora_max_rank
-            assert self._link is not None
-            self._link.begin_session()
+            self._session = _Session(update, lora_max_rank)
 
     def abort(self) -> None:
-        """Drop the staging; the served weights were never touched. A chunk still on the wire
-        leaves the group out of step with the trainer."""
+        """Drop the session. A chunk still on the wire leaves the group out of step with the
+        trainer."""
         with self._lock:
-            self._staged = None
+            self._session = None
             if self._receiving:
                 self._broken = "an update was aborted while a chunk was on the wire"
 
@@ -141,49 +148,69 @@ class Receiver:
         started 256 MiB, as the server bounds it)."""
         with self._lock:
             self._check_transport()
-            if self._staged is None:
+            session = self._session
+            if session is None:
                 raise WorkerError(ErrorCode.WRONG_STATE, "no update session is open")
             if self._receiving:
                 raise WorkerError(ErrorCode.WRONG_STATE, "another chunk is being received")
-            link, staged_names = self._link, set(self._staged)
+            link = self._link
             self._receiving = True
         assert link is not None
         if timeout_s is None:
             timeout_s = self._timeout_s * (1 + info.num_bytes // (256 * 2**20))
         try:
-            staged = self._receive(link, info, staged_names, timeout_s)
+            self._receive(link, info, session, timeout_s)
         finally:
             with self._lock:
                 self._receiving = False
-        with self._lock:
-            if self._staged is None:
-                raise WorkerError(ErrorCode.WRONG_STATE, "the update was aborted while the chunk arrived")
-            self._staged.update(staged)
 
-    def _receive(
-        self, link: Link, info: ChunkInfo, staged_names: set[str], timeout_s: float
-    ) -> dict[str, torch.Tensor]:
-        problem = self._check_against_manifest(info, staged_names) or link.misfit(info)
+    def _receive(self, link: Link, info: ChunkInfo, session: _Session, timeout_s: float) -> None:
+        problem = self._check_against_manifest(info, session) or link.misfit(info)
+        expected = {meta.name: meta.checksum for meta in info.tensors}
+        refusals: list[WorkerError] = []  # ours, raised through the link: not the link failing
+
+        def deliver(tensors: dict[str, torch.Tensor], digests: dict[str, str]) -> None:
+            try:
+                self._take(session, tensors, digests, expected)
+            except WorkerError as e:
+                refusals.append(e)
+                raise
+
         try:
-            go, received, digests = link.exchange(info, problem is None, timeout_s)
-        except WorkerError as e:  # the helper ended or fell silent: out of step with the trainer
-            with self._lock:
-                self._broken = f"the transport with the trainer failed ({e})"
+            go = link.exchange(info, problem is None, timeout_s, deliver)
+        except WorkerError as e:
+            if e not in refusals:  # the helper ended or fell silent: out of step with the trainer
+                with self._lock:
+                    self._broken = f"the transport with the trainer failed ({e})"
             raise
         if not go:
             raise WorkerError(ErrorCode.INVALID_INFO, problem or "the trainer refused this chunk")
-        bad = [meta.name for meta in info.tensors if digests[meta.name] != meta.checksum]
+
+    def _take(
+        self, session: _Session, tensors: dict[str, torch.Tensor], digests: dict[str, str], expected: dict[str, str]
+    ) -> None:
+        """One bucket that arrived: checked against the trainer's digests, then loaded into
+        the shadows (or kept, for an adapter)."""
+        bad = [name for name in tensors if digests[name] != expected[name]]
         if bad:
             raise WorkerError(ErrorCode.CHECKSUM_MISMATCH, f"tensors {bad[:5]} do not match the trainer's checksums")
-        return received
+        with self._lock:
+            if self._session is not session:
+                raise WorkerError(ErrorCode.WRONG_STATE, "the update was aborted while the chunk arrived")
+        session.names.update(tensors)
+        if session.update is None:
+            session.lora.update({name: t.clone() for name, t in tensors.items()})
+            return
+        # Anything else raised here is unexpected (a bug, memory): it ends the chunk as INTERNAL.
+        session.update.load(tensors)
 
-    def _check_against_manifest(self, info: ChunkInfo, staged_names: set[str]) -> str | None:
+    def _check_against_manifest(self, info: ChunkInfo, session: _Session) -> str | None:
         seen: set[str] = set()
         for t in info.tensors:
-            if t.name in seen or t.name in staged_names:
+            if t.name in seen or t.name in session.names:
                 return f"tensor {t.name!r} is sent twice in this update"
-            if self._lora_rank is not None:
-                problem = lora_tensor_misfit(t.name, t.shape, self._manifest, self._lora_rank)
+            if session.lora_rank is not None:
+                problem = lora_tensor_misfit(t.name, t.shape, self._manifest, session.lora_rank)
                 if problem:
                     return problem
             else:
@@ -209,17 +236,15 @@ class Receiver:
     # Commit ------------------------------------------------------------------------------
 
     def write_lora(self, directory: str, adapter_config: Mapping[str, Any]) -> int:
-        """End a LoRA session: write the staged adapter (checked whole) as a PEFT directory
+        """End a LoRA session: write the adapter (checked whole) as a PEFT directory
         `directory`/<this worker's rank> that vLLM loads from; returns how many tensors it
         has. The model is not touched."""
-        with self._lock:
-            if self._receiving:
-                raise WorkerError(ErrorCode.WRONG_STATE, "a chunk is still being received")
-            staged, rank, self._staged = self._staged, self._lora_rank, None
-        if staged is None or rank is None:
+        session = self._end_session()
+        if session.lora_rank is None:
             raise WorkerError(ErrorCode.WRONG_STATE, "no LoRA update session is open")
+        staged = session.lora
         metas = {n: ManifestEntry(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in staged.items()}
-        problem = lora_misfit(metas, self._manifest, rank) or lora_config_misfit(adapter_config, metas)
+        problem = lora_misfit(metas, self._manifest, session.lora_rank) or lora_config_misfit(adapter_config, metas)
         if problem:
             raise WorkerError(ErrorCode.INVALID_INFO, problem)
         path = Path(directory) / str(self._rank_in_server)
@@ -228,50 +253,23 @@ class Receiver:
         (path / "adapter_config.json").write_text(json.dumps(dict(adapter_config)))
         return len(staged)
 
-    def commit(self, model: torch.nn.Module, model_config: Any, served: ServedWeights) -> int:
-        """Load the staged tensors, completing partly sent layers from `served`; returns how
-        many tensors were loaded. `served` is told that the weights changed."""
+    def commit(self) -> int:
+        """Swap the session's shadows in, completing partly sent layers from the served
+        weights; returns how many checkpoint tensors were set or kept."""
+        session = self._end_session()
+        if session.update is None:
+            raise WorkerError(ErrorCode.WRONG_STATE, "this session carries a LoRA adapter, not model weights")
+        try:
+            return session.update.commit()
+        except Exception as e:
+            logger.exception("committing the update failed")
+            raise WorkerError(ErrorCode.COMMIT_FAILED, f"committing the update failed: {e}") from e
+
+    def _end_session(self) -> _Session:
         with self._lock:
             if self._receiving:
                 raise WorkerError(ErrorCode.WRONG_STATE, "a chunk is still being received")
-            if self._lora_rank is not None:
-                raise WorkerError(ErrorCode.WRONG_STATE, "this session carries a LoRA adapter, not model weights")
-            staged, self._staged = self._staged, None
-        if staged is None:
+            session, self._session = self._session, None
+        if session is None:
             raise WorkerError(ErrorCode.WRONG_STATE, "no update session is open")
-        if not staged:
-            return 0
-        weights = {**served.complete(staged), **staged}
-        try:
-            _load(model, model_config, weights)
-        except Exception as e:
-            logger.exception("loading the staged weights failed")
-            raise WorkerError(ErrorCode.COMMIT_FAILED, f"loading the staged weights failed: {e}") from e
-        finally:
-            served.invalidate()
-        return len(weights)
-
-
-def _load(model: torch.nn.Module, model_config: Any, weights: Mapping[str, torch.Tensor]) -> None:
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-    initialize_layerwise_reload(model)
-    try:
-        model.load_weights(iter(weights.items()))
-    finally:
-        # Also after a failure: unwrap the loaders and put back what was not loaded, so the
-        # next complete update starts from a model in a loadable state.
-        finalize_layerwise_reload(model, model_config)
-    _refresh_tied_lm_head(model, model_config)
-
-
-def _refresh_tied_lm_head(model: torch.nn.Module, model_config: Any) -> None:
-    """vLLM's layer-wise reload processes the embedding but not an lm_head tied to it, whose
-    CPU GEMM kernel stays packed from the old weights (outputs then differ from a fresh
-    engine's); re-running its post-load processing repacks it from the shared weight."""
-    if not getattr(model_config.hf_config, "tie_word_embeddings", False):
-        return
-    lm_head = getattr(model, "lm_head", None)
-    quant_method = getattr(lm_head, "quant_method", None)
-    if quant_method is not None:
-        quant_method.process_weights_after_loading(lm_head)
+        return session

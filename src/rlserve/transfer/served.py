@@ -48,6 +48,19 @@ class ServedWeights:
                 ErrorCode.UNSUPPORTED,
                 f"cannot find checkpoint tensors {missing[:5]} among the served parameters",
             )
+        # The layer (served module) each checkpoint tensor loads into, and each layer's tensors.
+        self._layer = {name: self._loaded_site(name).module_name for name in self._names}
+        members: dict[str, set[str]] = {}
+        for name, layer in self._layer.items():
+            members.setdefault(layer, set()).add(name)
+        self._members = {layer: frozenset(names) for layer, names in members.items()}
+        self._aliases: dict[str, list[tuple[str, str, str]]] = {}
+        for name, sites in self._sites.items():
+            loaded = self._loaded_site(name)
+            for site in sites:
+                if site.is_alias:
+                    entry = (site.module_name, site.param_name, loaded.param_name)
+                    self._aliases.setdefault(loaded.module_name, []).append(entry)
         self._digests: dict[str, str] = {}
         self._inconsistent: set[str] = set()
         self._pending: list[str] = sorted(self._names)
@@ -85,18 +98,26 @@ class ServedWeights:
 
     # Loading support ---------------------------------------------------------------------
 
+    def layer_of(self, name: str) -> str:
+        """The served module a checkpoint tensor loads into."""
+        return self._layer[name]
+
+    def members(self, layer: str) -> frozenset[str]:
+        """The checkpoint tensors that load into a served module."""
+        return self._members[layer]
+
+    def aliases_of(self, layer: str) -> list[tuple[str, str, str]]:
+        """(module, its parameter, `layer`'s parameter) for each other module that serves a
+        tensor of `layer` (a tied lm_head shares the embedding's weight)."""
+        return self._aliases.get(layer, [])
+
     def complete(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The served values of every checkpoint tensor that shares a layer with `names` but is
-        not among them: vLLM reloads a layer as a whole, so a partial update of a fused layer
+        not among them: vLLM loads a layer as a whole, so a partial update of a fused layer
         must carry its other members as they are served now."""
         given = set(names)
-        modules = {site.module_name for n in given for site in self._sites.get(n, ()) if not site.is_alias}
-        missing = {
-            site.checkpoint_name
-            for sites in self._sites.values()
-            for site in sites
-            if not site.is_alias and site.module_name in modules and site.checkpoint_name not in given
-        }
+        layers = {self._layer[n] for n in given if n in self._layer}
+        missing = {m for layer in layers for m in self._members[layer]} - given
         return {name: self.read(self._loaded_site(name)).clone() for name in sorted(missing)}
 
     def _loaded_site(self, name: str) -> Site:

@@ -7,11 +7,12 @@ the name. From then on only the mappings hold the memory: nothing is left in /de
 whoever crashes, and the memory is freed once the trainer and the workers have dropped
 their mappings (a worker drops its own at the next init or at shutdown).
 
-Per chunk the trainer writes the tensors from the chunk's `segment_offset` on, packed as the
-shared bucket plan packs one bucket (64-byte aligned, in order: `plan_buckets`, as
-rlserve_gloo derives its buckets), and calls UpdateWeights; each worker copies the chunk
-into its landing buffer, checks every digest, then stages and commits exactly as
-rlserve_gloo does. The chunks of one update lie side by side in the segment.
+Per chunk the trainer writes the tensors from the chunk's `segment_offset` on (the SDK: 0),
+packed as the shared bucket plan packs one bucket (64-byte aligned, in order: `plan_buckets`,
+as rlserve_gloo derives its buckets), and calls UpdateWeights; each worker copies the chunk
+into its landing buffer a bucket's worth at a time, checks the digests and loads the tensors
+into the update's shadows exactly as rlserve_gloo does. Once UpdateWeights has answered,
+nothing refers to the segment's bytes any more: the next chunk may reuse them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import mmap
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,18 +145,13 @@ class ShmLink:
     """A worker's side of rlserve_shm: the trainer's segment, mapped read-only, and a landing
     buffer of the same size this worker owns (allocated and touched once, so later syncs
     copy into memory that is already mapped). A chunk is copied from the segment into the
-    same place in the landing buffer in one pass, and staged as views of it: the trainer may
-    rewrite its segment once UpdateWeights has answered. Same calls as `GlooLink`."""
+    same place in the landing buffer, digested and delivered about a bucket at a time: what
+    is digested and loaded is the worker's copy, whatever the trainer writes meanwhile. Same
+    calls as `GlooLink`."""
 
     def __init__(self, segment: Segment) -> None:
         self._segment = segment
         self._landing = torch.zeros(segment.size, dtype=torch.uint8)
-        # The byte ranges of this session's chunks: a chunk over one of them would change
-        # tensors already checked and staged.
-        self._landed: list[tuple[int, int]] = []
-
-    def begin_session(self) -> None:
-        self._landed = []
 
     @classmethod
     def open(cls, info: ShmInit) -> ShmLink:
@@ -163,36 +159,46 @@ class ShmLink:
 
     def misfit(self, info: ChunkInfo) -> str | None:
         try:
-            span, _ = layout(info, self._segment.size)
+            layout(info, self._segment.size)
         except ProtocolError as e:
             return str(e)
-        start, end = info.segment_offset, info.segment_offset + span
-        for a, b in self._landed:
-            if start < b and a < end:
-                return f"the chunk at bytes {start}..{end} overlaps one staged in this update ({a}..{b})"
         return None
 
     def exchange(
-        self, info: ChunkInfo, accept: bool, timeout_s: float
-    ) -> tuple[bool, dict[str, torch.Tensor], dict[str, str]]:
-        """Copy the chunk out of the segment and digest its tensors. No vote is needed: the
-        trainer is not blocked in a collective, it waits for the RPC's answer. The views stay
-        valid until a later session's chunk lands on the same bytes."""
+        self,
+        info: ChunkInfo,
+        accept: bool,
+        timeout_s: float,
+        deliver: Callable[[dict[str, torch.Tensor], dict[str, str]], None],
+    ) -> bool:
+        """Copy the chunk out of the segment and deliver it. No vote is needed: the trainer is
+        not blocked in a collective, it waits for the RPC's answer."""
         if not accept:
-            return False, {}, {}
-        span, placements = layout(info, self._segment.size)
-        start = info.segment_offset
-        self._landing[start : start + span].copy_(self._segment.bytes[start : start + span])
-        self._landed.append((start, start + span))
-        received: dict[str, torch.Tensor] = {}
-        digests: dict[str, str] = {}
-        for index, offset in placements:
-            meta = info.tensors[index]
-            raw = self._landing[offset : offset + meta.num_bytes]
-            tensor = raw.view(getattr(torch, meta.dtype_name)).view(meta.shape)
-            received[meta.name] = tensor
-            digests[meta.name] = tensor_checksum(tensor)
-        return True, received, digests
+            return False
+        _, placements = layout(info, self._segment.size)
+        for group in _groups(info, placements):
+            first, last = group[0][1], group[-1][1] + info.tensors[group[-1][0]].num_bytes
+            self._landing[first:last].copy_(self._segment.bytes[first:last])
+            received: dict[str, torch.Tensor] = {}
+            for index, offset in group:
+                meta = info.tensors[index]
+                raw = self._landing[offset : offset + meta.num_bytes]
+                received[meta.name] = raw.view(getattr(torch, meta.dtype_name)).view(meta.shape)
+            deliver(received, {name: tensor_checksum(t) for name, t in received.items()})
+        return True
 
     def close(self) -> None:
         self._segment.close()
+
+
+def _groups(info: ChunkInfo, placements: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Consecutive tensors of a chunk in groups of about `bucket_bytes`: delivered one by one."""
+    groups: list[list[tuple[int, int]]] = []
+    size = 0
+    for index, offset in placements:
+        if not groups or size >= info.bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((index, offset))
+        size += info.tensors[index].num_bytes
+    return groups

@@ -18,6 +18,7 @@ from rlserve.transfer.manifest import read_manifest
 from rlserve.transfer.notify import Notifier
 from rlserve.transfer.protocol import ChunkInfo, ErrorCode, ProtocolError, Reply, WorkerError
 from rlserve.transfer.served import ServedWeights
+from rlserve.transfer.shadow import ShadowUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,16 @@ class RlserveWorkerExtension:
     def rlserve_cancel_init(self, op: str) -> dict:
         return _run(lambda: self._rlserve_receiver().cancel_init(op))
 
-    def rlserve_begin_session(self) -> dict:
-        return _run(lambda: self._rlserve_receiver().start_session())
+    def rlserve_begin_session(self, in_place: bool = False) -> dict:
+        """A session of model weights, built in shadows (`in_place`: installed layer by layer
+        as they arrive)."""
+
+        def begin() -> None:
+            engine = self._rlserve_engine()
+            update = ShadowUpdate(engine.model, self._rlserve_served(), in_place=in_place)
+            engine.receiver.start_session(update)
+
+        return _run(begin)
 
     def rlserve_begin_lora_session(self) -> dict:
         """A session whose chunks make a LoRA adapter (up to the engine's max LoRA rank)."""
@@ -80,13 +89,12 @@ class RlserveWorkerExtension:
         return Reply(True).to_dict()
 
     def rlserve_commit(self) -> dict:
-        """Load the staged weights into the model (on the engine loop: the engine is paused)."""
+        """Swap the update in (on the engine loop: the engine is paused)."""
         from vllm.config import set_current_vllm_config
 
         def commit() -> None:
-            engine = self._rlserve_engine()
             with set_current_vllm_config(self.vllm_config):
-                engine.receiver.commit(engine.model, engine.model_config, self._rlserve_served())
+                self._rlserve_receiver().commit()
             # As vLLM's own finish does: loaded weights bypass the model runner's reload.
             reset_lora = getattr(self.model_runner, "reset_lora_state", None)
             if reset_lora is not None:

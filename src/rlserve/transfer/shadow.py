@@ -1,0 +1,228 @@
+"""A weight update built beside the served model while it arrives, swapped in at the commit.
+
+Every layer the update touches gets a shadow: a shallow copy of the served module with
+tensors of its own, in the format the checkpoint loads into (vLLM records that format for
+every layer when the model loads). The model's own `load_weights` fills the shadows bucket by
+bucket, run on a shadow of the whole module tree, so checkpoint names, fusion (q/k/v into
+qkv_proj) and padding stay vLLM's code. A layer whose checkpoint tensors have all arrived is
+processed at once (its quant method's post-load step; on CPU that packs the GEMM kernel)
+while later buckets are still on the wire. The commit only swaps: processed tensors are copied
+into the served tensors' storage where shapes agree (references held elsewhere stay valid),
+and the attributes processing set (the CPU kernel) are moved onto the served module. A tied
+head (an lm_head that serves the embedding's weight) is processed from the embedding's new
+weight.
+
+Shadows hold one processed copy of the updated layers until the commit or an abort; the
+served model is untouched until `commit()`. With `in_place`, each layer is installed as soon
+as it is processed instead: one layer of extra memory, but a failure half way leaves the
+served weights mixed (the caller reports them inconsistent). Dense layers only, as far as
+`ServedWeights` describes them.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Mapping
+from types import MethodType
+from typing import Any
+
+import torch
+
+from rlserve.transfer.protocol import ErrorCode, WorkerError
+from rlserve.transfer.served import ServedWeights
+
+# A module's own tensor and child tables: a shadow has its own, everything else is shared.
+_TABLES = ("_parameters", "_buffers", "_modules")
+_MISSING = object()
+
+
+class ShadowUpdate:
+    """One update session's shadows. Not thread-safe: one caller at a time (the receiver)."""
+
+    def __init__(self, model: torch.nn.Module, served: ServedWeights, *, in_place: bool = False) -> None:
+        self._served = served
+        self._in_place = in_place
+        self._live = dict(model.named_modules())
+        memo: dict[int, torch.nn.Module] = {}
+        self._root = _shadow_tree(model, memo)
+        self._shadow = {name: memo[id(module)] for name, module in self._live.items()}
+        self._arrived: set[str] = set()
+        self._processed: set[str] = set()
+        # Processed shadows waiting for the commit, by served module name.
+        self._ready: dict[str, torch.nn.Module] = {}
+
+    @property
+    def num_arrived(self) -> int:
+        return len(self._arrived)
+
+    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Load checked tensors (checkpoint names) into the shadows; process every layer that
+        is now complete (and install it, in place). The tensors may be reused afterwards."""
+        if not tensors:
+            return
+        self._root.load_weights(iter(tensors.items()))  # type: ignore[operator]
+        self._arrived.update(tensors)
+        for layer in sorted({self._served.layer_of(name) for name in tensors}):
+            if self._served.members(layer) <= self._arrived:
+                self._process(layer)
+
+    def commit(self) -> int:
+        """Complete partly sent layers from the served weights, process them, and install
+        every shadow; returns how many checkpoint tensors the update set or kept."""
+        if {self._served.layer_of(name) for name in self._arrived} - self._processed:
+            # vLLM loads a layer whole: the members not sent carry their served values.
+            self.load(self._served.complete(self._arrived))
+        self._install(list(self._ready))
+        return len(self._arrived)
+
+    # Building ----------------------------------------------------------------------------
+
+    def _process(self, layer: str) -> None:
+        shadow = self._shadow[layer]
+        _fill_unloaded(shadow, self._live[layer], layer)
+        _post_load(shadow)
+        done = [layer]
+        self._ready[layer] = shadow
+        self._processed.add(layer)
+        for alias, alias_param, owner_param in self._served.aliases_of(layer):
+            # A module serving this layer's tensor (a tied lm_head): its own processing of it.
+            served = self._live[alias]
+            tied = copy.copy(served)
+            tied.__dict__["_parameters"] = {**served._parameters, alias_param: shadow._parameters[owner_param]}
+            tied.__dict__["_buffers"] = dict(served._buffers)
+            _post_load(tied)
+            self._ready[alias] = tied
+            done.append(alias)
+        if self._in_place:
+            self._install(done)
+
+    def _install(self, layers: list[str]) -> None:
+        copied: set[int] = set()
+        try:
+            for layer in layers:
+                _install(self._live[layer], self._ready.pop(layer), copied)
+        finally:
+            if layers:
+                self._served.invalidate()
+
+
+def _shadow_tree(module: torch.nn.Module, memo: dict[int, torch.nn.Module]) -> torch.nn.Module:
+    """A shallow copy of `module` and its children with tensors of their own, on the meta
+    device until a weight loader writes them."""
+    found = memo.get(id(module))
+    if found is not None:
+        return found
+    shadow = copy.copy(module)
+    memo[id(module)] = shadow
+    shadow.__dict__["_modules"] = {
+        name: None if child is None else _shadow_tree(child, memo) for name, child in module._modules.items()
+    }
+    shadow.__dict__["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
+    params, buffers, device = _model_format(module)
+    shadow.__dict__["_parameters"] = {n: _lazy(shadow, module, "_parameters", n, t, device) for n, t in params.items()}
+    shadow.__dict__["_buffers"] = {n: _lazy(shadow, module, "_buffers", n, t, device) for n, t in buffers.items()}
+    return shadow
+
+
+def _model_format(module: torch.nn.Module) -> tuple[dict, dict, torch.device]:
+    """The module's tensors as the checkpoint loads them (vLLM's record from model load),
+    and those it did not record (a bias, added after the weights were created) as served."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    info = get_layerwise_info(module)
+    recorded_params, recorded_buffers = info.restore_metadata
+    params = {n: t for n, t in module._parameters.items() if t is not None}
+    buffers = {n: t for n, t in module._buffers.items() if t is not None}
+    return {**params, **recorded_params}, {**buffers, **recorded_buffers}, info.restore_device
+
+
+def _lazy(
+    shadow: torch.nn.Module,
+    live: torch.nn.Module,
+    table: str,
+    name: str,
+    template: torch.Tensor,
+    device: torch.device,
+) -> torch.Tensor:
+    """A meta stand-in for one of `shadow`'s tensors whose weight loader gives it memory of
+    its own on first use, then loads into that."""
+    meta = _like(template, "meta", shadow, live)
+    original = getattr(meta, "weight_loader", None)
+    if original is None:
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        original = default_weight_loader
+    signature = inspect.signature(original)
+    target = "param" if "param" in signature.parameters else next(iter(signature.parameters))
+
+    def load_into_shadow(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        real = shadow.__dict__[table][name]
+        if real.is_meta:
+            real = _like(meta, device, shadow, live)
+            real.weight_loader = original
+            shadow.__dict__[table][name] = real
+        bound.arguments[target] = real
+        return original(*bound.args, **bound.kwargs)
+
+    meta.weight_loader = load_into_shadow
+    return meta
+
+
+def _like(template: torch.Tensor, device: torch.device | str, shadow: torch.nn.Module, live: torch.nn.Module):
+    """An uninitialized tensor shaped as `template`, of its class and with its attributes;
+    methods bound to the served module (or to vLLM's placeholder for it) bound to `shadow`."""
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    tensor = torch.empty_strided(tuple(template.size()), tuple(template.stride()), dtype=template.dtype, device=device)
+    tensor.__class__ = template.__class__
+    tensor.__dict__ = dict(template.__dict__)
+    for key, value in tensor.__dict__.items():
+        if isinstance(value, MethodType) and value.__self__ is live:
+            tensor.__dict__[key] = value.__func__.__get__(shadow)
+    return restore_layer_refs(tensor, shadow)
+
+
+def _fill_unloaded(shadow: torch.nn.Module, live: torch.nn.Module, layer: str) -> None:
+    """A tensor of a complete layer that no checkpoint tensor wrote (a buffer the checkpoint
+    does not carry) keeps its served value; one that has none cannot be built."""
+    for table in ("_parameters", "_buffers"):
+        tensors = shadow.__dict__[table]
+        for name, tensor in tensors.items():
+            if not tensor.is_meta:
+                continue
+            served = live.__dict__[table].get(name)
+            if served is None or served.is_meta or served.shape != tensor.shape:
+                raise WorkerError(ErrorCode.UNSUPPORTED, f"{layer}.{name} is not loaded by any checkpoint tensor")
+            tensors[name] = served.detach().clone()
+
+
+def _post_load(layer: torch.nn.Module) -> None:
+    """vLLM's processing after a layer's weights are loaded (on CPU: pack the GEMM kernel)."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    layer.__dict__.pop("_already_called_process_weights_after_loading", None)
+    method = getattr(layer, "quant_method", None)
+    if isinstance(method, QuantizeMethodBase):
+        method.process_weights_after_loading(layer)
+
+
+def _install(live: torch.nn.Module, shadow: torch.nn.Module, copied: set[int]) -> None:
+    """Make `live` serve what `shadow` holds. Copies into the served storage (`copied`: the
+    served tensors written already, a tensor two modules share is written once)."""
+    for table in ("_parameters", "_buffers"):
+        served: dict[str, Any] = live.__dict__[table]
+        for name, new in shadow.__dict__[table].items():
+            old = served.get(name)
+            if new is None or new is old:
+                continue
+            if old is not None and (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device):
+                if id(old) not in copied:
+                    old.data.copy_(new)
+                    copied.add(id(old))
+            else:
+                served[name] = new
+    for key, value in shadow.__dict__.items():
+        if key not in _TABLES and live.__dict__.get(key, _MISSING) is not value:
+            live.__dict__[key] = value
