@@ -8,6 +8,7 @@ directory outside the repository; nothing here changes the project's virtual env
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -17,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import sysconfig
+import threading
 import zipfile
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
@@ -112,6 +114,38 @@ def describe_tree(frontend: psutil.Process) -> list[str]:
         except psutil.Error:
             continue
     return out
+
+
+class PeakMemory:
+    """The resident memory of a process and its descendants (shared memory they map included),
+    sampled every few milliseconds in a thread while in use: `peak_bytes - start_bytes` is
+    what the measured work added at its worst."""
+
+    def __init__(self, pid: int, interval_s: float = 0.002) -> None:
+        self._root = psutil.Process(pid)
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.start_bytes = self.peak_bytes = self._sample()
+
+    def _sample(self) -> int:
+        total = 0
+        for proc in [self._root, *self._root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                total += proc.memory_info().rss
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.peak_bytes = max(self.peak_bytes, self._sample())
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def stop_tree(pid: int) -> None:

@@ -7,11 +7,14 @@ otherwise), the same tensors move through these paths:
 - rlserve:    WeightSync.sync() against `rlserve serve --weight-transfer-backend rlserve_gloo`
               (pause -> start -> chunks -> finish -> resume, checksums verified);
 - shm:        the same against `--weight-transfer-backend rlserve_shm`;
+- in_place:   rlserve_gloo with `--weight-update-mode in-place` (no shadow copy);
 - checkpoint: the trainer saves safetensors, the engine reloads them through vLLM
               (`collective_rpc("reload_weights")`), as many RL frameworks do;
 - per_tensor: rlserve's protocol with one UpdateWeights RPC and one broadcast per tensor.
-Each path is warmed up once, then timed --repeats times (median). The last stdout line is
-one JSON object with seconds per path and the ratios the targets are stated in.
+Each path is warmed up once, then timed --repeats times (median); for the SDK paths the
+servers' peak extra resident memory during those syncs is recorded too (shadows or not). The
+last stdout line is one JSON object with seconds per path and the ratios the targets are
+stated in.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import child_env, free_port, median, stop_tree, tail  # noqa: E402
+from _common import PeakMemory, child_env, free_port, median, stop_tree, tail  # noqa: E402
 
 from rlserve.client import Client  # noqa: E402
 from rlserve.trainer import WeightSync  # noqa: E402
@@ -105,7 +108,9 @@ def floor_seconds(weights: dict[str, torch.Tensor], repeats: int) -> float:
 # --- rlserve and per-tensor: the SDK against a real server ----------------------------------
 
 
-def serve(model_dir: Path, work: Path, dtype: str, backend: str = "rlserve_gloo") -> tuple[subprocess.Popen, str]:
+def serve(
+    model_dir: Path, work: Path, dtype: str, backend: str = "rlserve_gloo", *extra: str
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [
         sys.executable,
@@ -126,6 +131,7 @@ def serve(model_dir: Path, work: Path, dtype: str, backend: str = "rlserve_gloo"
     ]
     if backend:
         cmd += ["--weight-transfer-backend", backend]
+    cmd += extra
     log_file = (work / f"server-{port}.log").open("wb")
     # Its own process group, in our session: a new session would be a scheduler autogroup of its
     # own, and on a small machine compete with this process as a group rather than per thread.
@@ -139,18 +145,23 @@ def serve(model_dir: Path, work: Path, dtype: str, backend: str = "rlserve_gloo"
     return proc, target
 
 
-def sdk_seconds(target: str, weights: dict[str, torch.Tensor], repeats: int, per_tensor: bool) -> dict[str, float]:
+def sdk_seconds(
+    target: str, weights: dict[str, torch.Tensor], repeats: int, per_tensor: bool, server_pid: int
+) -> dict[str, float]:
     with Client(target) as client:
         size = 1 if per_tensor else BUCKET_BYTES
         sync = WeightSync(client, bucket_bytes=size, chunk_bytes=size if per_tensor else 2**30)
         sync.init()
-        runs = [sync.sync(weights, f"v{i}") for i in range(repeats + 1)][1:]
+        sync.sync(weights, "warm-up")
+        with PeakMemory(server_pid) as memory:
+            runs = [sync.sync(weights, f"v{i}") for i in range(repeats)]
         sync.close()
     return {
         "transfer_s": median([r.transfer_s for r in runs]),
         "pause_to_resume_s": median([r.pause_to_resume_s for r in runs]),
         "commit_s": median([r.commit_s for r in runs]),
         "num_chunks": runs[0].num_chunks,
+        "peak_extra_mb": round((memory.peak_bytes - memory.start_bytes) / 1e6, 1),
     }
 
 
@@ -236,13 +247,18 @@ def main() -> None:
         r["memcpy_s"] = memcpy_seconds(weights, args.repeats)
         proc, target = serve(model_dir, work, args.dtype)
         try:
-            r["rlserve"] = sdk_seconds(target, weights, args.repeats, per_tensor=False)
-            r["per_tensor"] = sdk_seconds(target, weights, max(1, args.repeats // 3), per_tensor=True)
+            r["rlserve"] = sdk_seconds(target, weights, args.repeats, False, proc.pid)
+            r["per_tensor"] = sdk_seconds(target, weights, max(1, args.repeats // 3), True, proc.pid)
+        finally:
+            stop_tree(proc.pid)
+        proc, target = serve(model_dir, work, args.dtype, "rlserve_gloo", "--weight-update-mode", "in-place")
+        try:
+            r["in_place"] = sdk_seconds(target, weights, args.repeats, False, proc.pid)
         finally:
             stop_tree(proc.pid)
         proc, target = serve(model_dir, work, args.dtype, backend="rlserve_shm")
         try:
-            r["shm"] = sdk_seconds(target, weights, args.repeats, per_tensor=False)
+            r["shm"] = sdk_seconds(target, weights, args.repeats, False, proc.pid)
         finally:
             stop_tree(proc.pid)
         r["checkpoint"] = checkpoint_seconds(model_dir, weights, args.repeats, work, args.dtype)

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from rlserve.config import DTYPES, EngineConfig, SecurityConfig, ServeConfig, default_cache_dir
+from rlserve.config import DTYPES, WEIGHT_UPDATE_MODES, EngineConfig, SecurityConfig, ServeConfig, default_cache_dir
 
 AUTH_TOKENS_ENV = "RLSERVE_AUTH_TOKENS"
 SECURITY_HELP = """Security: the control plane can pause the server and replace its weights. It may
@@ -71,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--weight-transfer-backend",
         default="",
         help="rlserve_gloo (CPU or GPU), rlserve_shm (trainer on this host), or vLLM's nccl, ipc, ...",
+    )
+    s.add_argument(
+        "--weight-update-mode",
+        default=_default(_ENGINE, "weight_update_mode"),
+        choices=WEIGHT_UPDATE_MODES,
+        help="rlserve_gloo/rlserve_shm: shadow (all or nothing; holds a processed copy of the updated layers "
+        "until the commit) or in-place (one layer of extra memory; an update that fails half way leaves the "
+        "weights inconsistent)",
     )
     s.add_argument("--enable-sleep-mode", action="store_true")
     s.add_argument("--scheduling-policy", default=_default(_ENGINE, "scheduling_policy"), choices=("fcfs", "priority"))
@@ -165,6 +173,7 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         data_parallel_size=args.data_parallel_size,
         enforce_eager=args.enforce_eager,
         weight_transfer_backend=args.weight_transfer_backend,
+        weight_update_mode=args.weight_update_mode,
         enable_sleep_mode=args.enable_sleep_mode,
         scheduling_policy=args.scheduling_policy,
         kv_cache_gib=args.kv_cache_gib,

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# How rlserve's backends commit: beside the served model (shadows) or layer by layer into it.
+WEIGHT_UPDATE_MODES = ("shadow", "in-place")
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,10 @@ class EngineConfig:
     data_parallel_size: int = 1
     enforce_eager: bool = False
     weight_transfer_backend: str = ""
+    # rlserve_gloo / rlserve_shm: "shadow" (all or nothing, one processed copy of the updated
+    # layers until the commit) or "in-place" (one layer of extra memory; a failure half way
+    # leaves the weights inconsistent). vLLM's own backends are always in place.
+    weight_update_mode: str = "shadow"
     enable_sleep_mode: bool = False
     scheduling_policy: str = "fcfs"
     seed: int = 0
@@ -57,6 +63,8 @@ class EngineConfig:
             raise ValueError("data_parallel_size must be >= 1")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be positive")
+        if self.weight_update_mode not in WEIGHT_UPDATE_MODES:
+            raise ValueError(f"weight_update_mode: {self.weight_update_mode!r} is not one of {WEIGHT_UPDATE_MODES}")
         if self.hang_timeout_s <= 0:
             raise ValueError("hang_timeout_s must be positive")
         if self.max_loras < 1 or self.max_lora_rank < 1:

@@ -132,7 +132,11 @@ class EngineAdapter:
         self.monitor.on_dead(self._fail_streams)
         pc = vc.parallel_config
         self.transport: WeightTransport | None = make_transport(
-            llm, config.weight_transfer_backend, self.monitor, pc.world_size * pc.data_parallel_size
+            llm,
+            config.weight_transfer_backend,
+            self.monitor,
+            pc.world_size * pc.data_parallel_size,
+            in_place=config.weight_update_mode == "in-place",
         )
 
     @classmethod

@@ -115,13 +115,16 @@ class WeightTransport(ABC):
         pass
 
 
-def make_transport(llm: Any, backend: str, monitor: EngineMonitor, num_workers: int) -> WeightTransport | None:
+def make_transport(
+    llm: Any, backend: str, monitor: EngineMonitor, num_workers: int, *, in_place: bool = False
+) -> WeightTransport | None:
+    """`in_place`: rlserve's backends install each layer as it arrives (vLLM's always do)."""
     if not backend:
         return None
     if backend == BACKEND_NAME:
-        return GlooTransport(llm, monitor, num_workers)
+        return GlooTransport(llm, monitor, num_workers, in_place=in_place)
     if backend == SHM_BACKEND_NAME:
-        return ShmTransport(llm, monitor, num_workers)
+        return ShmTransport(llm, monitor, num_workers, in_place=in_place)
     return VllmTransport(llm, monitor, num_workers, backend)
 
 
@@ -170,9 +173,9 @@ def _parse_init_info(parse: Callable[[Mapping[str, Any], float], Any], raw: Any,
 
 class GlooTransport(WeightTransport):
     backend = BACKEND_NAME
-    stages_updates = True
 
-    def __init__(self, llm: Any, monitor: EngineMonitor, num_workers: int) -> None:
+    def __init__(self, llm: Any, monitor: EngineMonitor, num_workers: int, *, in_place: bool = False) -> None:
+        self.stages_updates = not in_place
         self._workers = _Workers(llm, monitor, num_workers)
         self._monitor = monitor
         self._hub = NotificationHub()
@@ -219,7 +222,7 @@ class GlooTransport(WeightTransport):
     async def start(self, is_draft: bool, timeout_s: float) -> None:
         if is_draft:
             raise CapabilityMissing(f"{self.backend} cannot update a draft model")
-        await self._workers.call(Ext.rlserve_begin_session)
+        await self._workers.call(Ext.rlserve_begin_session, not self.stages_updates)
 
     async def update(self, chunk: Chunk, timeout_s: float) -> None:
         await self._in_workers(

@@ -369,6 +369,7 @@ class LifecycleController:
             capabilities=self._engine.capabilities(),
             recent_mutations=self._owner.audit_log(),
             weight_dtype=self._engine.weight_dtype,
+            stages_updates=self._engine.transport is not None and self._engine.transport.stages_updates,
         )
 
     def watch(self) -> AsyncIterator[LifecycleState]:

@@ -86,6 +86,8 @@ class LifecycleSnapshot:
     capabilities: RlCapabilities
     recent_mutations: tuple[AuditEntry, ...]
     weight_dtype: str = ""
+    # Updates are built beside the served weights: an abort or failure leaves them intact.
+    stages_updates: bool = False
 
 
 def is_stronger(requested: PauseMode, state: LifecycleState) -> bool:

@@ -422,6 +422,7 @@ def lifecycle_snapshot(snap: LifecycleSnapshot) -> lifecycle_pb2.LifecycleState:
         msg.engines.add(data_parallel_rank=e.data_parallel_rank, paused=e.is_paused, weight_version=e.weight_version)
     msg.capabilities.CopyFrom(_capabilities(snap.capabilities))
     msg.weight_dtype = snap.weight_dtype
+    msg.stages_updates = snap.stages_updates
     for a in snap.recent_mutations:
         msg.recent_mutations.add(
             sequence=a.sequence,

@@ -1,0 +1,137 @@
+"""`--weight-update-mode in-place`, against an engine of its own: each layer goes live as soon
+as its tensors have arrived (no shadow copy of the model). A sync serves what a fresh engine
+serves; an open update marks the weights inconsistent, and an abort or a failure half way
+leaves them so (resume refused) until a complete update makes them whole again."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
+from rlserve.api.vllm import control_pb2 as cpb
+from rlserve.client import Client
+from rlserve.config import ServeConfig
+from rlserve.trainer import WeightSync
+from rlserve.transfer.protocol import tensor_checksum
+
+from conftest import insecure_serialization
+from helpers import (
+    KEEP,
+    HandTrainer,
+    checkpoint,
+    chunk_of,
+    expect,
+    greedy,
+    pause,
+    perturbed,
+    reference_outputs,
+    serving,
+)
+from test_served_weights import _fail_next_load
+
+
+@pytest_asyncio.fixture(scope="module")
+async def in_place_engine(engine_config):
+    from rlserve.engine.adapter import EngineAdapter
+
+    config = replace(engine_config, weight_transfer_backend="rlserve_gloo", weight_update_mode="in-place")
+    with insecure_serialization():  # the test reaches into the worker
+        adapter = await asyncio.to_thread(EngineAdapter.start, config)
+        try:
+            yield adapter
+        finally:
+            await adapter.close()
+            adapter.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def s(in_place_engine, engine_config):
+    config = ServeConfig(
+        engine=replace(engine_config, weight_transfer_backend="rlserve_gloo", weight_update_mode="in-place"),
+        transfer_timeout_s=10.0,
+    )
+    async with serving(in_place_engine, config) as stubs:
+        yield stubs
+
+
+def sync(target: str, weights, version: str):
+    with Client(target) as client:
+        weight_sync = WeightSync(client)
+        try:
+            return weight_sync.sync(weights, version)
+        finally:
+            weight_sync.close()
+
+
+async def served(s) -> dict[str, str]:
+    return dict((await s.lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())).per_tensor)
+
+
+async def restored(s, tiny_model_dir) -> None:
+    """A complete update makes the weights whole again; generation resumes."""
+    weights = checkpoint(tiny_model_dir)
+    await asyncio.to_thread(sync, s.target, weights, "whole")
+    state = await s.lifecycle.GetState(lpb.GetStateRequest())
+    assert state.weights_consistent and state.weight_version == "whole"
+    assert state.pause_phase == lpb.PAUSE_PHASE_RUNNING
+    assert await served(s) == {n: tensor_checksum(t) for n, t in weights.items()}
+
+
+async def test_an_in_place_sync_serves_what_a_fresh_engine_serves(s, tiny_model_dir, tmp_path, engine_config):
+    weights = perturbed(tiny_model_dir, seed=51)
+    stats = await asyncio.to_thread(sync, s.target, weights, "in-place-1")
+    state = await s.lifecycle.GetState(lpb.GetStateRequest())
+    assert not state.stages_updates
+    assert state.weights_consistent and state.weight_version == "in-place-1"
+    assert stats.checksum == (await s.lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())).overall
+    assert await greedy(s.inference) == await reference_outputs(tiny_model_dir, weights, tmp_path, engine_config)
+
+
+async def test_an_aborted_in_place_update_leaves_the_weights_inconsistent(s, tiny_model_dir):
+    weights = perturbed(tiny_model_dir, seed=52)
+    before = await served(s)
+    trainer = HandTrainer(s.target)
+    try:
+        await trainer.init()
+        await pause(s.control, KEEP)
+        await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+        state = await s.lifecycle.GetState(lpb.GetStateRequest())
+        assert not state.weights_consistent and "in-place" in state.inconsistency_reason
+        # Half the tensors: the layers they complete are live at once.
+        pairs = sorted(weights.items())[: len(weights) // 2]
+        await trainer.send(chunk_of(pairs), [t for _, t in pairs])
+        now = await served(s)
+        assert {n for n, _ in pairs if now[n] == tensor_checksum(weights[n])} and now != before
+        await s.lifecycle.AbortWeightUpdate(lpb.AbortWeightUpdateRequest())
+    finally:
+        trainer.close()
+    state = await s.lifecycle.GetState(lpb.GetStateRequest())
+    assert not state.weights_consistent and not state.HasField("update_session")
+    await expect(grpc.StatusCode.FAILED_PRECONDITION, s.control.ResumeGeneration(cpb.ResumeGenerationRequest()))
+    await restored(s, tiny_model_dir)
+
+
+async def test_an_in_place_load_that_fails_half_way_is_reported_and_recovered(s, in_place_engine, tiny_model_dir):
+    weights = perturbed(tiny_model_dir, seed=53)
+    with insecure_serialization():
+        await in_place_engine.llm.collective_rpc(_fail_next_load)
+    trainer = HandTrainer(s.target)
+    try:
+        await trainer.init()
+        await pause(s.control, KEEP)
+        await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+        pairs = sorted(weights.items())
+        with pytest.raises(grpc.RpcError) as e:
+            await trainer.send(chunk_of(pairs), [t for _, t in pairs])
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "simulated failure" in e.value.details()
+    finally:
+        trainer.close()
+    state = await s.lifecycle.GetState(lpb.GetStateRequest())
+    assert not state.weights_consistent
+    await expect(grpc.StatusCode.FAILED_PRECONDITION, s.control.ResumeGeneration(cpb.ResumeGenerationRequest()))
+    await restored(s, tiny_model_dir)
