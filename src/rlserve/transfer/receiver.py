@@ -68,6 +68,10 @@ class _Session:
     lora: dict[str, torch.Tensor] = field(default_factory=dict)
     names: set[str] = field(default_factory=set)
 
+    def close(self) -> None:
+        if self.update is not None:
+            self.update.close()
+
 
 class Receiver:
     def __init__(self, manifest: Mapping[str, ManifestEntry], rank_in_server: int, served_dtype: str) -> None:
@@ -112,13 +116,19 @@ class Receiver:
                 link.close()
                 raise WorkerError(ErrorCode.WRONG_STATE, "a chunk is still being received on the old transport")
             old, self._link = self._link, link
-            self._broken, self._session, self._init_op, self._timeout_s = "", None, None, timeout_s
+            dropped, self._session = self._session, None
+            self._broken, self._init_op, self._timeout_s = "", None, timeout_s
+        if dropped is not None:
+            dropped.close()
         if old is not None:
             old.close()
 
     def shutdown(self) -> None:
         with self._lock:
-            link, self._link, self._session = self._link, None, None
+            link, self._link = self._link, None
+            dropped, self._session = self._session, None
+        if dropped is not None and not self._receiving:
+            dropped.close()
         if link is not None:
             link.close()
 
@@ -133,15 +143,21 @@ class Receiver:
             self._check_transport()
             if self._receiving:
                 raise WorkerError(ErrorCode.WRONG_STATE, "a chunk of an earlier session is still being received")
-            self._session = _Session(update, lora_max_rank)
+            dropped, self._session = self._session, _Session(update, lora_max_rank)
+        if dropped is not None:
+            dropped.close()
 
     def abort(self) -> None:
         """Drop the session. A chunk still on the wire leaves the group out of step with the
         trainer."""
         with self._lock:
-            self._session = None
-            if self._receiving:
+            dropped, self._session = self._session, None
+            receiving = self._receiving
+            if receiving:
                 self._broken = "an update was aborted while a chunk was on the wire"
+        # A chunk being received closes its session itself when it ends.
+        if dropped is not None and not receiving:
+            dropped.close()
 
     def receive(self, info: ChunkInfo, timeout_s: float | None = None) -> None:
         """Receive one chunk, bounded by `timeout_s` (default: the transport's timeout per
@@ -163,6 +179,9 @@ class Receiver:
         finally:
             with self._lock:
                 self._receiving = False
+                dropped = self._session is not session
+            if dropped:  # aborted or replaced while it arrived
+                session.close()
 
     def _receive(self, link: Link, info: ChunkInfo, session: _Session, timeout_s: float) -> None:
         problem = self._check_against_manifest(info, session) or link.misfit(info)
@@ -264,6 +283,8 @@ class Receiver:
         except Exception as e:
             logger.exception("committing the update failed")
             raise WorkerError(ErrorCode.COMMIT_FAILED, f"committing the update failed: {e}") from e
+        finally:
+            session.close()
 
     def _end_session(self) -> _Session:
         with self._lock:
