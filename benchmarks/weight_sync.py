@@ -8,6 +8,9 @@ otherwise), the same tensors move through these paths:
               (pause -> start -> chunks -> finish -> resume, checksums verified);
 - shm:        the same against `--weight-transfer-backend rlserve_shm`;
 - in_place:   rlserve_gloo with `--weight-update-mode in-place` (no shadow copy);
+- sparse_1pct, sparse_10pct: rlserve_gloo syncs with patch=True where 1% (10%) of every
+              tensor's elements changed since the last sync (spread at random: every layer
+              is touched, the worst case for the commit);
 - checkpoint: the trainer saves safetensors, the engine reloads them through vLLM
               (`collective_rpc("reload_weights")`), as many RL frameworks do;
 - per_tensor: rlserve's protocol with one UpdateWeights RPC and one broadcast per tensor.
@@ -165,6 +168,34 @@ def sdk_seconds(
     }
 
 
+def moved(weights: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
+    """`weights` with `fraction` of every tensor's elements changed, at random places."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in weights.items():
+        flat = t.clone().view(-1)
+        at = torch.randperm(flat.numel(), generator=g)[: max(1, int(flat.numel() * fraction))]
+        flat[at] += 0.01
+        out[name] = flat.view(t.shape)
+    return out
+
+
+def sparse_seconds(target: str, weights: dict[str, torch.Tensor], fraction: float, repeats: int) -> dict[str, float]:
+    with Client(target) as client:
+        sync = WeightSync(client, bucket_bytes=BUCKET_BYTES)
+        sync.init()
+        sync.sync(weights, "sparse-base", patch=True)  # whole: the copy later patches diff against
+        steps = [moved(weights, fraction, seed=100 + i) for i in range(repeats + 1)]
+        runs = [sync.sync(w, f"sparse-{i}", patch=True) for i, w in enumerate(steps)][1:]
+        sync.close()
+    return {
+        "transfer_s": median([r.transfer_s for r in runs]),
+        "pause_to_resume_s": median([r.pause_to_resume_s for r in runs]),
+        "commit_s": median([r.commit_s for r in runs]),
+        "num_bytes": runs[0].num_bytes,
+    }
+
+
 def memcpy_seconds(weights: dict[str, torch.Tensor], repeats: int) -> float:
     """One thread copying the weights' bytes into a buffer of their size, as a trainer
     writing them into shared memory does."""
@@ -249,6 +280,8 @@ def main() -> None:
         try:
             r["rlserve"] = sdk_seconds(target, weights, args.repeats, False, proc.pid)
             r["per_tensor"] = sdk_seconds(target, weights, max(1, args.repeats // 3), True, proc.pid)
+            r["sparse_1pct"] = sparse_seconds(target, weights, 0.01, args.repeats)
+            r["sparse_10pct"] = sparse_seconds(target, weights, 0.10, args.repeats)
         finally:
             stop_tree(proc.pid)
         proc, target = serve(model_dir, work, args.dtype, "rlserve_gloo", "--weight-update-mode", "in-place")
@@ -273,6 +306,9 @@ def main() -> None:
             # transfer's bandwidth against one thread's memcpy of the same bytes, target >= 0.4.
             "gloo_over_shm_pause_to_resume": r["rlserve"]["pause_to_resume_s"] / r["shm"]["pause_to_resume_s"],  # type: ignore[index]
             "shm_bandwidth_over_memcpy": r["memcpy_s"] / r["shm"]["transfer_s"],  # type: ignore[index,operator]
+            # A sync of 1% changed elements against a whole one, end to end; target >= 10.
+            "dense_over_sparse_1pct": r["rlserve"]["pause_to_resume_s"] / r["sparse_1pct"]["pause_to_resume_s"],  # type: ignore[index]
+            "dense_over_sparse_10pct": r["rlserve"]["pause_to_resume_s"] / r["sparse_10pct"]["pause_to_resume_s"],  # type: ignore[index]
         }
         result[name] = r
         log(json.dumps({name: r}))

@@ -110,6 +110,19 @@ def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
     return {n: t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype) for n, t in checkpoint(model_dir).items()}
 
 
+def changed_a_little(weights: dict, fraction: float, seed: int) -> dict:
+    """`weights` with `fraction` of every tensor's elements moved (at least one each)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in weights.items():
+        flat = t.clone().view(-1)
+        k = max(1, int(flat.numel() * fraction))
+        at = torch.randperm(flat.numel(), generator=g)[:k]
+        flat[at] += 0.5
+        out[name] = flat.view(t.shape)
+    return out
+
+
 def save_weights(weights: dict[str, torch.Tensor], path: Path) -> Path:
     save_file({n: t.contiguous() for n, t in weights.items()}, str(path))
     return path

@@ -17,14 +17,28 @@ import cloudpickle
 import grpc
 import pytest
 import pytest_asyncio
+import torch
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
+from rlserve.client import Client
 from rlserve.config import ServeConfig
-from rlserve.transfer.protocol import tensor_checksum
+from rlserve.trainer import WeightSync
+from rlserve.transfer.protocol import ChunkInfo, TensorMeta, tensor_checksum
 
 from conftest import insecure_serialization
-from helpers import KEEP, HandTrainer, checkpoint, chunk_of, greedy, pause, perturbed, reference_outputs, serving
+from helpers import (
+    KEEP,
+    HandTrainer,
+    changed_a_little,
+    checkpoint,
+    chunk_of,
+    greedy,
+    pause,
+    perturbed,
+    reference_outputs,
+    serving,
+)
 
 # Functions sent to the worker travel by value: the worker cannot import this test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -232,3 +246,74 @@ async def test_a_sync_leaves_no_tensor_for_the_garbage_collector(s, engine_, tin
         finally:
             (left,) = await engine_.llm.collective_rpc(_garbage_tensor_bytes)
     assert left == 0
+
+
+def _patch_syncs(target: str, steps: list[tuple[dict, str]]) -> list:
+    with Client(target) as client:
+        sync = WeightSync(client)
+        try:
+            return [sync.sync(weights, version, patch=True) for weights, version in steps]
+        finally:
+            sync.close()
+
+
+async def test_a_patch_sync_sends_what_changed_and_serves_the_patched_weights(
+    s, tiny_model_dir, tmp_path, engine_config
+):
+    """After a whole sync, a sync with patch=True sends only the 1% of elements that changed
+    (indices and values) and the server serves exactly the patched tensors; the next patch
+    builds on what the first committed (kept by the server, not read back again)."""
+    first = perturbed(tiny_model_dir, seed=71)
+    second = changed_a_little(first, 0.01, seed=72)
+    third = changed_a_little(second, 0.01, seed=73)
+    steps = [(first, "p0"), (second, "p1"), (third, "p2")]
+    dense, patched, again = await asyncio.to_thread(_patch_syncs, s.target, steps)
+    assert patched.num_bytes < dense.num_bytes * 0.05 and again.num_bytes == patched.num_bytes
+    assert dict((await served(s)).per_tensor) == digests_of(third)
+    state = await s.lifecycle.GetState(lpb.GetStateRequest())
+    assert state.weight_version == "p2" and state.weights_consistent
+    assert await greedy(s.inference) == await reference_outputs(tiny_model_dir, third, tmp_path, engine_config)
+
+
+def _patch_chunk(name: str, target: torch.Tensor, at: torch.Tensor, base_weight_version: str, **override) -> tuple:
+    """update_info and wire bytes of a patch turning the server's tensor into `target` at
+    flat indices `at` (8 of them: 64 bytes of float32, one aligned bucket)."""
+    blob = torch.cat([at.to(torch.int32).view(torch.uint8), target.view(-1)[at].view(torch.uint8)])
+    meta = TensorMeta(name, "float32", tuple(target.shape), tensor_checksum(target), num_changed=at.numel())
+    info = {**ChunkInfo((meta,), base_weight_version=base_weight_version).to_json(), **override}
+    return info, blob
+
+
+PATCH_FAULTS = ["an index outside the tensor", "a patch made on other weights", "another base version"]
+
+
+@pytest.mark.parametrize("fault", PATCH_FAULTS)
+async def test_a_bad_patch_is_refused_and_changes_nothing(s, tiny_model_dir, fault):
+    weights = checkpoint(tiny_model_dir)
+    name = "model.layers.0.mlp.down_proj.weight"
+    before = await served(s)
+    version = (await s.lifecycle.GetState(lpb.GetStateRequest())).weight_version
+    at = torch.arange(8) * 3
+    target = weights[name].clone()
+    target.view(-1)[at] += 1.0
+    if fault == PATCH_FAULTS[1]:
+        target.view(-1)[100] += 1.0  # the trainer believes the server serves this element too
+    info, blob = _patch_chunk(name, target, at, "not-served" if fault == PATCH_FAULTS[2] else version)
+    if fault == PATCH_FAULTS[0]:
+        blob[:4] = torch.tensor([target.numel() + 5], dtype=torch.int32).view(torch.uint8)
+    trainer = HandTrainer(s.target)
+    try:
+        await trainer.init()
+        await pause(s.control, KEEP)
+        await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+        with pytest.raises(grpc.RpcError) as e:
+            # A stale base is refused before the workers see the chunk: no vote to join.
+            await trainer.send(info, None if fault == PATCH_FAULTS[2] else [blob])
+        expected = grpc.StatusCode.ABORTED if fault == PATCH_FAULTS[2] else grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.code() == expected, e.value.details()
+        assert ["indices", "not the trainer's", "not-served"][PATCH_FAULTS.index(fault)] in e.value.details()
+    finally:
+        trainer.close()
+    state = await s.lifecycle.GetState(lpb.GetStateRequest())
+    assert state.weight_version == version and state.weights_consistent
+    assert dict((await served(s)).per_tensor) == dict(before.per_tensor)

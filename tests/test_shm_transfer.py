@@ -22,9 +22,11 @@ from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.client import Client
 from rlserve.config import ServeConfig
 from rlserve.trainer import ShmSender, WeightSync, plan_sync
+from rlserve.transfer.protocol import tensor_checksum
 from rlserve.transfer.shm import SHM_DIR
 
 from helpers import (
+    changed_a_little,
     checkpoint,
     checksum,
     expect,
@@ -252,3 +254,22 @@ def test_a_segment_larger_than_shared_memory_is_refused_when_created():
     with pytest.raises(OSError):
         ShmSender(1 << 45)
     assert segments() == before
+
+
+def patch_syncs_in_thread(target: str, steps: list[tuple[dict, str]]) -> list:
+    with Client(target) as client:
+        sync = WeightSync(client, transport="shm")
+        try:
+            return [sync.sync(weights, version, patch=True) for weights, version in steps]
+        finally:
+            sync.close()
+
+
+async def test_a_patch_sync_over_shared_memory_serves_the_patched_weights(shm, tiny_model_dir, tmp_path, engine_config):
+    first = perturbed(tiny_model_dir, seed=35)
+    second = changed_a_little(first, 0.01, seed=36)
+    dense, patched = await asyncio.to_thread(patch_syncs_in_thread, shm.target, [(first, "sp0"), (second, "sp1")])
+    assert patched.num_bytes < dense.num_bytes * 0.05
+    digests = (await shm.lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())).per_tensor
+    assert {n: digests[n] for n in second} == {n: tensor_checksum(t) for n, t in second.items()}
+    assert await greedy(shm.inference) == await reference_outputs(tiny_model_dir, second, tmp_path, engine_config)

@@ -69,6 +69,11 @@ class ConcurrentChange(RlserveError):
     """Another control call changed the state first; re-read the state and retry."""
 
 
+class StaleBase(ConcurrentChange):
+    """A patch builds on a weight version the server does not serve; send a whole update, or
+    a patch on the version it serves. Nothing changed."""
+
+
 class VersionMismatch(ConcurrentChange):
     def __init__(self, expected: str, actual: str) -> None:
         super().__init__(f"weight version is {actual!r}, not the expected {expected!r}; nothing changed")

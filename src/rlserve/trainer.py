@@ -14,6 +14,7 @@ safe, and raises `WeightSyncError`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -30,6 +31,7 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2, lifecycle_pb2_grpc
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.client import Client
 from rlserve.config import DEFAULT_TRANSFER_TIMEOUT_S
+from rlserve.transfer import patch as _patch
 from rlserve.transfer import shm
 from rlserve.transfer.gloo_group import GlooGroup
 from rlserve.transfer.protocol import (
@@ -231,7 +233,38 @@ def plan_sync(
     unsendable = {n: str(t.dtype) for n, t in tensors.items() if str(t.dtype).removeprefix("torch.") not in DTYPE_BYTES}
     if unsendable:
         raise ValueError(f"only {sorted(DTYPE_BYTES)} tensors can be sent: {dict(list(unsendable.items())[:3])}")
-    return tensors, _plan_chunks(tensors, chunk_bytes, bucket_bytes)
+    metas = [
+        TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_checksum(t))
+        for n, t in tensors.items()
+    ]
+    return tensors, _plan_chunks(metas, chunk_bytes, bucket_bytes)
+
+
+def plan_patch(
+    tensors: Mapping[str, torch.Tensor],
+    changed: Mapping[str, torch.Tensor],
+    base_weight_version: str,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> tuple[dict[str, torch.Tensor], list[ChunkInfo]]:
+    """What to send to turn the weights served as `base_weight_version` into `tensors`
+    (from `plan_sync`): for a tensor in `changed` (its changed flat indices), a patch, or the
+    whole tensor where that is no bigger; nothing for one whose indices are empty; the whole
+    tensor for one not in `changed`. Each digest is of the whole new tensor."""
+    payload: dict[str, torch.Tensor] = {}
+    metas: list[TensorMeta] = []
+    for name, tensor in tensors.items():
+        indices = changed.get(name)
+        if indices is not None and indices.numel() == 0:
+            continue
+        blob = _patch.encode(tensor, indices) if indices is not None else None
+        meta = TensorMeta(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor_checksum(tensor))
+        if blob is not None:
+            meta = dataclasses.replace(meta, num_changed=indices.numel())  # type: ignore[union-attr]
+        payload[name] = tensor if blob is None else blob
+        metas.append(meta)
+    return payload, _plan_chunks(metas, chunk_bytes, bucket_bytes, base_weight_version)
 
 
 class WeightSync:
@@ -263,6 +296,9 @@ class WeightSync:
         self._bucket_bytes, self._chunk_bytes = bucket_bytes, chunk_bytes
         self._rpc_timeout_s, self._pause_timeout_s = rpc_timeout_s, pause_timeout_s
         self._sender: TensorSender | ShmSender | None = None
+        # What the last sync with patch=True sent, and the version the last sync published.
+        self._last_sent: dict[str, torch.Tensor] | None = None
+        self._published: str | None = None
         # An RPC and a collective at a time, plus room for a collective abandoned after a
         # refusal, which ends only at its own deadline.
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlserve-sync")
@@ -313,11 +349,16 @@ class WeightSync:
         pause_mode: PauseMode | str = PauseMode.KEEP,
         verify: bool = True,
         progress: bool = False,
+        patch: bool | Mapping[str, torch.Tensor] = False,
     ) -> SyncStats:
         """Push `weights` (names as in the served HF checkpoint; a subset updates only those)
-        and publish `version`."""
+        and publish `version`. `patch=True` sends only the elements that changed since this
+        object's last sync with `patch=True` (it keeps a copy of what it sent: the model's
+        size again); `patch={name: bool mask}` sends the masked elements of those tensors
+        only, as changes to the weights the server serves now. Where a patch would be no
+        smaller, or the server no longer serves what was last sent, the whole tensors go."""
         mode = PauseMode(pause_mode)
-        tensors, chunks = self._prepare(weights)
+        tensors, chunks, dense = self._prepare(weights, patch)
         num_bytes = sum(c.num_bytes for c in chunks)
         control, rpc_s = self._client.control, self._rpc_timeout_s
         t_pause = time.perf_counter()
@@ -340,11 +381,16 @@ class WeightSync:
             raise self._recover(e) from e
         control.ResumeGeneration(cpb.ResumeGenerationRequest(), timeout=rpc_s)
         pause_to_resume_s = time.perf_counter() - t_pause
+        self._published = version
+        if patch is True:
+            # A copy: the caller's tensors (the model's own, on the CPU) change in place.
+            kept = self._last_sent or {}
+            self._last_sent = {**kept, **{n: t.clone() for n, t in dense.items()}}
         mine = {t.name: t.checksum for c in chunks for t in c.tensors}
         checksum = self._verify(mine) if verify else combined_checksum(mine)
         return SyncStats(
             weight_version=version,
-            num_tensors=len(tensors),
+            num_tensors=len(mine),
             num_bytes=num_bytes,
             num_chunks=len(chunks),
             transfer_s=transfer_s,
@@ -368,7 +414,7 @@ class WeightSync:
         they started with. `new_version` replaces an adapter already loaded under `name`;
         without it a loaded name is refused. Raises WeightSyncError (the old version, if
         any, keeps serving)."""
-        tensors, chunks = self._prepare(adapter)
+        tensors, chunks, _ = self._prepare(adapter, False)
         start = lifecycle_pb2.StartLoraUpdateRequest(
             lora_name=name,
             version=version,
@@ -406,23 +452,48 @@ class WeightSync:
         if isinstance(sender, ShmSender):
             sender.close()
 
-    def _prepare(self, weights: NamedTensors) -> tuple[dict[str, torch.Tensor], list[ChunkInfo]]:
-        """The tensors and chunks to send, and a usable transport (a rendezvous if needed)."""
+    def _prepare(
+        self, weights: NamedTensors, patch: bool | Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], list[ChunkInfo], dict[str, torch.Tensor]]:
+        """What to send, its chunks and the whole tensors it makes; a usable transport (a
+        rendezvous if needed)."""
         state = self._lifecycle.GetState(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
         # Sent in the dtype the server computes with: what it serves is then what was sent.
-        tensors, chunks = plan_sync(
+        dense, chunks = plan_sync(
             weights,
             getattr(torch, state.weight_dtype, None),
             chunk_bytes=self._chunk_bytes,
             bucket_bytes=self._bucket_bytes,
         )
+        tensors = dense
+        changed = self._changed(dense, patch, state.weight_version)
+        if changed is not None:
+            sizes = {"chunk_bytes": self._chunk_bytes, "bucket_bytes": self._bucket_bytes}
+            tensors, chunks = plan_patch(dense, changed, state.weight_version, **sizes)
         needed = 0
         if state.capabilities.weight_transfer_backend == SHM_BACKEND_NAME:
-            needed = max(shm.span(chunk) for chunk in chunks)
+            needed = max((shm.span(chunk) for chunk in chunks), default=0)
         small = isinstance(self._sender, ShmSender) and self._sender.capacity < needed
         if self._sender is None or not self._sender.joined or not state.transport_ready or small:
             self.init(shm_capacity=needed or DEFAULT_CHUNK_BYTES)
-        return tensors, chunks
+        return tensors, chunks, dense
+
+    def _changed(
+        self, dense: Mapping[str, torch.Tensor], patch: bool | Mapping[str, torch.Tensor], served_version: str
+    ) -> dict[str, torch.Tensor] | None:
+        """The changed flat indices per tensor a patch is made of; None: send everything."""
+        if patch is False:
+            return None
+        if patch is not True:
+            unknown = sorted(set(patch) - set(dense))
+            if unknown:
+                raise ValueError(f"masks for tensors that are not sent: {unknown[:5]}")
+            masked = {n: torch.nonzero(m.reshape(-1)).view(-1) for n, m in patch.items()}
+            return {n: masked.get(n, torch.empty(0, dtype=torch.long)) for n in dense}
+        last = self._last_sent
+        if last is None or self._published != served_version:
+            return None  # nothing sent yet, or someone changed the weights since
+        return {n: _patch.changed(t, last[n]) for n, t in dense.items() if n in last and last[n].shape == t.shape}
 
     def _step_timeout_s(self, num_bytes: int) -> float:
         return self._timeout_s * (1 + num_bytes // BYTES_PER_TIMEOUT) + RPC_MARGIN_S
@@ -515,20 +586,21 @@ def _named_tensors(weights: NamedTensors, dtype: torch.dtype | None) -> Iterator
         yield name, t.contiguous()
 
 
-def _plan_chunks(tensors: Mapping[str, torch.Tensor], chunk_bytes: int, bucket_bytes: int) -> list[ChunkInfo]:
-    chunks: list[ChunkInfo] = []
-    current: list[TensorMeta] = []
+def _plan_chunks(
+    metas: list[TensorMeta], chunk_bytes: int, bucket_bytes: int, base_weight_version: str | None = None
+) -> list[ChunkInfo]:
+    groups: list[list[TensorMeta]] = []
     size = 0
-    for name, t in tensors.items():
-        meta = TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_checksum(t))
-        if current and size + meta.num_bytes > chunk_bytes:
-            chunks.append(ChunkInfo(tuple(current), bucket_bytes))
-            current, size = [], 0
-        current.append(meta)
+    for meta in metas:
+        if not groups or size + meta.num_bytes > chunk_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(meta)
         size += meta.num_bytes
-    if current:
-        chunks.append(ChunkInfo(tuple(current), bucket_bytes))
-    return chunks
+    patches = any(meta.num_changed is not None for meta in metas)
+    return [
+        ChunkInfo(tuple(g), bucket_bytes, base_weight_version=base_weight_version if patches else None) for g in groups
+    ]
 
 
 def _fill(spare: torch.Tensor, bucket: Any, chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:

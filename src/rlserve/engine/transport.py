@@ -64,6 +64,8 @@ class Chunk:
     num_tensors: int
     num_bytes: int
     payload: Any
+    # A chunk of patches applies to this served weight version only.
+    base_weight_version: str | None = None
 
 
 class WeightTransport(ABC):
@@ -205,7 +207,7 @@ class GlooTransport(WeightTransport):
             chunk = ChunkInfo.parse(raw)
         except ProtocolError as e:
             raise InvalidRequest("update_info_json", str(e)) from e
-        return Chunk(len(chunk.tensors), chunk.num_bytes, chunk.to_json())
+        return Chunk(len(chunk.tensors), chunk.num_bytes, chunk.to_json(), chunk.base_weight_version)
 
     async def init(self, init: TransportInit) -> None:
         op = uuid.uuid4().hex

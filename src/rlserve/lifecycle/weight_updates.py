@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlserve.caller import CURRENT
-from rlserve.errors import CapabilityMissing, CommitFailed, TransferTimeout
+from rlserve.errors import CapabilityMissing, CommitFailed, StaleBase, TransferTimeout
 from rlserve.lifecycle.loras import LoraRegistry, adapter_digest
 from rlserve.lifecycle.mutation import survives_caller_cancellation
 from rlserve.lifecycle.owner import StateOwner
@@ -134,6 +134,12 @@ class WeightUpdates:
                 try:
                     raw = parse_json(update_info_json, "update_info_json", self._info_limit)
                     chunk = transport.parse_chunk(raw)
+                    served = self._owner.state.weight_version
+                    if chunk.base_weight_version is not None and chunk.base_weight_version != served:
+                        raise StaleBase(
+                            f"the patch builds on weight version {chunk.base_weight_version[:64]!r}, this server "
+                            f"serves {served[:64]!r}: send the whole tensors, or a patch on {served[:64]!r}"
+                        )
                     timeout_s = self._timeout_s * (1 + chunk.num_bytes // BYTES_PER_TIMEOUT)
                     await transport.update(chunk, timeout_s)
                 except BaseException as e:

@@ -23,7 +23,15 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 from rlserve.transfer.gloo_group import GlooGroup  # noqa: E402
-from rlserve.transfer.protocol import ChunkInfo, ErrorCode, InitInfo, plan_buckets, tensor_checksum  # noqa: E402
+from rlserve.transfer.protocol import (  # noqa: E402
+    ChunkInfo,
+    ErrorCode,
+    InitInfo,
+    landing_offsets,
+    plan_buckets,
+    tensor_checksum,
+    wire_view,
+)
 
 
 def serve(sock: socket.socket) -> None:
@@ -64,10 +72,8 @@ def receive(group: GlooGroup, request: dict[str, Any], landing: torch.Tensor, so
         return {"ok": True, "go": False}
     info = ChunkInfo.parse(request["info"])
     buckets = plan_buckets(info.tensors, info.bucket_bytes)
-    buffers, start = [], 0
-    for bucket in buckets:
-        buffers.append(landing[start : start + bucket.num_bytes])
-        start += bucket.num_bytes
+    starts, _ = landing_offsets(buckets)
+    buffers = [landing[start : start + bucket.num_bytes] for bucket, start in zip(buckets, starts)]
     # Post every receive at once; digest and report each bucket while later ones arrive.
     works = [group.broadcast_async(buffer) for buffer in buffers]
     for i, (bucket, buffer, work) in enumerate(zip(buckets, buffers, works)):
@@ -75,8 +81,7 @@ def receive(group: GlooGroup, request: dict[str, Any], landing: torch.Tensor, so
         checksums = []
         for index, offset in bucket.placements:
             meta = info.tensors[index]
-            tensor = buffer[offset : offset + meta.num_bytes].view(getattr(torch, meta.dtype_name)).view(meta.shape)
-            checksums.append(tensor_checksum(tensor))
+            checksums.append(tensor_checksum(wire_view(buffer[offset : offset + meta.num_bytes], meta)))
         sock.sendall(json.dumps({"ok": True, "go": True, "bucket": i, "checksums": checksums}).encode() + b"\n")
     return {"ok": True, "go": True, "done": True}
 

@@ -25,7 +25,16 @@ from typing import Any
 
 import torch
 
-from rlserve.transfer.protocol import SHM_DIR, ChunkInfo, ErrorCode, InitInfo, WorkerError, plan_buckets
+from rlserve.transfer.protocol import (
+    SHM_DIR,
+    ChunkInfo,
+    ErrorCode,
+    InitInfo,
+    WorkerError,
+    landing_offsets,
+    plan_buckets,
+    wire_view,
+)
 
 # Margin for the helper's own deadlines to fire first and report what went wrong.
 ANSWER_MARGIN_S = 5.0
@@ -77,8 +86,9 @@ class GlooLink:
         digests as the helper computed them from the bytes that arrived) as it lands.
         Returns whether everyone accepted. Raises WorkerError (TIMEOUT: the transport is
         broken), or what `deliver` raised once the chunk has been received to its end."""
-        sizes = _bucket_sizes(info)
-        landing, path = self._landing_for(max(1, sum(sizes)))
+        buckets = plan_buckets(info.tensors, info.bucket_bytes)
+        starts, span = landing_offsets(buckets)
+        landing, path = self._landing_for(max(1, span))
         deadline = time.monotonic() + timeout_s
         request = {"op": "chunk", "accept": accept, "path": path, "size": landing.numel(), "info": info.to_json()}
         try:
@@ -88,8 +98,6 @@ class GlooLink:
                 os.unlink(path)  # both sides have it mapped; the name is not needed
         if not reply["go"]:
             return False
-        buckets = plan_buckets(info.tensors, info.bucket_bytes)
-        starts = bucket_offsets(info)
         failure: BaseException | None = None
         while not reply.get("done"):
             index = reply["bucket"]
@@ -161,24 +169,11 @@ class GlooLink:
             self._process.wait()
 
 
-def _bucket_sizes(info: ChunkInfo) -> list[int]:
-    return [bucket.num_bytes for bucket in plan_buckets(info.tensors, info.bucket_bytes)]
-
-
-def bucket_offsets(info: ChunkInfo) -> list[int]:
-    """Where each bucket starts in the chunk's shared memory: one after the other."""
-    offsets, at = [], 0
-    for size in _bucket_sizes(info):
-        offsets.append(at)
-        at += size
-    return offsets
-
-
 def _views(memory: torch.Tensor, info: ChunkInfo, bucket: Any, start: int) -> dict[str, torch.Tensor]:
     """The tensors of one bucket (at byte `start`), viewed in place in the memory it landed in."""
     out: dict[str, torch.Tensor] = {}
     for index, offset in bucket.placements:
         meta = info.tensors[index]
         begin = start + offset
-        out[meta.name] = memory[begin : begin + meta.num_bytes].view(getattr(torch, meta.dtype_name)).view(meta.shape)
+        out[meta.name] = wire_view(memory[begin : begin + meta.num_bytes], meta)
     return out

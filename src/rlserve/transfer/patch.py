@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-INDEX_BYTES = 4
-# int32 indices address any element of a tensor up to this size.
-MAX_PATCHED_ELEMENTS = 2**31 - 1
+from rlserve.transfer.protocol import MAX_PATCHED_ELEMENTS
+from rlserve.transfer.protocol import PATCH_INDEX_BYTES as INDEX_BYTES
 
 
 def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -32,12 +31,10 @@ def encode(new: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
     return torch.cat([index_bytes, value_bytes])
 
 
-def patch_bytes(num_changed: int, dtype_bytes: int) -> int:
-    return num_changed * (INDEX_BYTES + dtype_bytes)
-
-
 def apply(base: torch.Tensor, blob: torch.Tensor, num_changed: int) -> torch.Tensor:
     """A copy of `base` with the patch in `blob` applied; ValueError for an index outside it."""
+    if blob.storage_offset() % INDEX_BYTES:
+        blob = blob.clone()  # the views below need its start aligned to an index
     split = num_changed * INDEX_BYTES
     indices = blob[:split].view(torch.int32).to(torch.long)
     values = blob[split:].view(base.dtype)

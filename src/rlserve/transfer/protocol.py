@@ -27,6 +27,9 @@ CHECKSUM_ALGORITHM = "xxh3-128"
 # Tensors start on this boundary inside a bucket so the receiver can view them in place.
 ALIGN_BYTES = 64
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# A patch's flat indices are int32: a patched tensor has at most this many elements.
+PATCH_INDEX_BYTES = 4
+MAX_PATCHED_ELEMENTS = 2**31 - 1
 # Bounds that keep every number well inside 64 bits (what crosses vLLM's process boundary).
 MAX_WORLD_SIZE = 1 << 16
 MAX_TENSOR_BYTES = 1 << 40
@@ -151,14 +154,24 @@ class TensorMeta:
     name: str
     dtype_name: str
     shape: tuple[int, ...]
+    # xxh3-128 of the whole tensor as it will be served (for a patch: once applied).
     checksum: str
+    # A sparse patch of this many elements (see `patch`) instead of the whole tensor.
+    num_changed: int | None = None
 
     @property
-    def num_bytes(self) -> int:
-        n = DTYPE_BYTES[self.dtype_name]
+    def num_elements(self) -> int:
+        n = 1
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes on the wire."""
+        if self.num_changed is not None:
+            return self.num_changed * (PATCH_INDEX_BYTES + DTYPE_BYTES[self.dtype_name])
+        return self.num_elements * DTYPE_BYTES[self.dtype_name]
 
 
 @dataclass(frozen=True)
@@ -169,6 +182,8 @@ class ChunkInfo:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     # rlserve_shm only: where the chunk starts in the trainer's segment (64-byte aligned).
     segment_offset: int = 0
+    # A chunk with patches names the weight version they apply to.
+    base_weight_version: str | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -178,7 +193,16 @@ class ChunkInfo:
     def parse(cls, raw: Any) -> ChunkInfo:
         if not isinstance(raw, Mapping):
             raise ProtocolError("update_info must be a JSON object")
-        known = {"names", "dtype_names", "shapes", "checksums", "bucket_bytes", "segment_offset"}
+        known = {
+            "names",
+            "dtype_names",
+            "shapes",
+            "checksums",
+            "bucket_bytes",
+            "segment_offset",
+            "num_changed",
+            "base_weight_version",
+        }
         unknown = set(raw) - known
         if unknown:
             raise ProtocolError(f"unknown update_info keys {sorted(unknown)}; expected {sorted(known)}")
@@ -201,8 +225,16 @@ class ChunkInfo:
             raise ProtocolError(f"update_info.segment_offset must be an integer in 0..{MAX_BUCKET_BYTES}")
         if offset % ALIGN_BYTES:
             raise ProtocolError(f"update_info.segment_offset must be a multiple of {ALIGN_BYTES}")
+        num_changed = raw.get("num_changed", [None] * len(lists["names"]))
+        if not isinstance(num_changed, list) or len(num_changed) != len(lists["names"]):
+            raise ProtocolError("update_info.num_changed must be a list as long as names (null: the whole tensor)")
+        base = raw.get("base_weight_version")
+        if base is not None and (not isinstance(base, str) or not base):
+            raise ProtocolError("update_info.base_weight_version must be a non-empty string")
+        if base is None and any(k is not None for k in num_changed):
+            raise ProtocolError("a chunk with patches (num_changed) must name its base_weight_version")
         tensors = []
-        for name, dtype, shape, checksum in zip(*lists.values()):
+        for (name, dtype, shape, checksum), changed in zip(zip(*lists.values()), num_changed):
             if not isinstance(name, str) or not name:
                 raise ProtocolError(f"tensor names must be non-empty strings, got {name!r}")
             if dtype not in DTYPE_BYTES:
@@ -213,13 +245,14 @@ class ChunkInfo:
                 raise ProtocolError(f"{name}: shape must be a list of non-negative integers")
             if not isinstance(checksum, str):
                 raise ProtocolError(f"{name}: checksum must be a string")
-            meta = TensorMeta(name, dtype, tuple(shape), checksum)
+            meta = TensorMeta(name, dtype, tuple(shape), checksum, _num_changed(name, changed, shape))
             if meta.num_bytes > MAX_TENSOR_BYTES:
                 raise ProtocolError(f"{name}: more bytes than any tensor may have ({MAX_TENSOR_BYTES})")
             tensors.append(meta)
-        return cls(tuple(tensors), bucket_bytes, offset)
+        return cls(tuple(tensors), bucket_bytes, offset, base)
 
     def to_json(self) -> dict[str, Any]:
+        patches = any(t.num_changed is not None for t in self.tensors)
         return {
             "names": [t.name for t in self.tensors],
             "dtype_names": [t.dtype_name for t in self.tensors],
@@ -227,7 +260,32 @@ class ChunkInfo:
             "checksums": [t.checksum for t in self.tensors],
             "bucket_bytes": self.bucket_bytes,
             **({"segment_offset": self.segment_offset} if self.segment_offset else {}),
+            **({"num_changed": [t.num_changed for t in self.tensors]} if patches else {}),
+            **({"base_weight_version": self.base_weight_version} if self.base_weight_version else {}),
         }
+
+
+def _num_changed(name: str, raw: Any, shape: list[int]) -> int | None:
+    if raw is None:
+        return None
+    numel = 1
+    for d in shape:
+        numel *= d
+    if isinstance(raw, bool) or not isinstance(raw, int) or not 0 < raw <= numel:
+        raise ProtocolError(f"{name}: num_changed must be an integer in 1..{numel} (its elements), or null")
+    if numel > MAX_PATCHED_ELEMENTS:
+        raise ProtocolError(f"{name}: a patch addresses tensors of at most {MAX_PATCHED_ELEMENTS} elements")
+    return raw
+
+
+def wire_view(raw: Any, meta: TensorMeta) -> Any:
+    """One tensor's bytes (a uint8 tensor) as received: the tensor itself, or for a patch
+    the blob of indices and values."""
+    import torch
+
+    if meta.num_changed is not None:
+        return raw
+    return raw.view(getattr(torch, meta.dtype_name)).view(meta.shape)
 
 
 @dataclass(frozen=True)
@@ -253,6 +311,18 @@ def plan_buckets(tensors: Sequence[TensorMeta], bucket_bytes: int) -> list[Bucke
     if placements:
         buckets.append(Bucket(offset, tuple(placements)))
     return buckets
+
+
+def landing_offsets(buckets: Sequence[Bucket]) -> tuple[list[int], int]:
+    """Where each bucket of a chunk lands in a receiver's memory, each at a 64-byte boundary
+    (so every tensor in it stays aligned as in its bucket, whatever the previous bucket's
+    size), and the bytes they span."""
+    offsets, at = [], 0
+    for bucket in buckets:
+        at = _align(at)
+        offsets.append(at)
+        at += bucket.num_bytes
+    return offsets, at
 
 
 def _align(n: int) -> int:

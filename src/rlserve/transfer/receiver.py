@@ -30,10 +30,11 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import save_file
 
+from rlserve.transfer import patch
 from rlserve.transfer.gloo_link import GlooLink
 from rlserve.transfer.manifest import ManifestEntry, lora_config_misfit, lora_misfit, lora_tensor_misfit
 from rlserve.transfer.notify import Notifier
-from rlserve.transfer.protocol import ChunkInfo, ErrorCode, InitInfo, WorkerError
+from rlserve.transfer.protocol import ChunkInfo, ErrorCode, InitInfo, TensorMeta, WorkerError, tensor_checksum
 from rlserve.transfer.shadow import ShadowUpdate
 
 logger = logging.getLogger(__name__)
@@ -67,10 +68,8 @@ class _Session:
     lora_rank: int | None = None
     lora: dict[str, torch.Tensor] = field(default_factory=dict)
     names: set[str] = field(default_factory=set)
-
-    def close(self) -> None:
-        if self.update is not None:
-            self.update.close()
+    # The whole new value of each tensor a patch may later build on: kept at the commit.
+    bases: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Receiver:
@@ -86,6 +85,9 @@ class Receiver:
         self._init_op: str | None = None
         self._session: _Session | None = None
         self._receiving = False
+        # The served value of every tensor a patch has built on, as last committed: reading it
+        # back from the model (through a CPU kernel) costs more than the patch saves.
+        self._bases: dict[str, torch.Tensor] = {}
 
     # Rendezvous --------------------------------------------------------------------------
 
@@ -118,8 +120,7 @@ class Receiver:
             old, self._link = self._link, link
             dropped, self._session = self._session, None
             self._broken, self._init_op, self._timeout_s = "", None, timeout_s
-        if dropped is not None:
-            dropped.close()
+        self._end(dropped)
         if old is not None:
             old.close()
 
@@ -127,8 +128,8 @@ class Receiver:
         with self._lock:
             link, self._link = self._link, None
             dropped, self._session = self._session, None
-        if dropped is not None and not self._receiving:
-            dropped.close()
+        if not self._receiving:
+            self._end(dropped)
         if link is not None:
             link.close()
 
@@ -144,8 +145,7 @@ class Receiver:
             if self._receiving:
                 raise WorkerError(ErrorCode.WRONG_STATE, "a chunk of an earlier session is still being received")
             dropped, self._session = self._session, _Session(update, lora_max_rank)
-        if dropped is not None:
-            dropped.close()
+        self._end(dropped)
 
     def abort(self) -> None:
         """Drop the session. A chunk still on the wire leaves the group out of step with the
@@ -156,8 +156,8 @@ class Receiver:
             if receiving:
                 self._broken = "an update was aborted while a chunk was on the wire"
         # A chunk being received closes its session itself when it ends.
-        if dropped is not None and not receiving:
-            dropped.close()
+        if not receiving:
+            self._end(dropped)
 
     def receive(self, info: ChunkInfo, timeout_s: float | None = None) -> None:
         """Receive one chunk, bounded by `timeout_s` (default: the transport's timeout per
@@ -181,16 +181,16 @@ class Receiver:
                 self._receiving = False
                 dropped = self._session is not session
             if dropped:  # aborted or replaced while it arrived
-                session.close()
+                self._end(session)
 
     def _receive(self, link: Link, info: ChunkInfo, session: _Session, timeout_s: float) -> None:
         problem = self._check_against_manifest(info, session) or link.misfit(info)
-        expected = {meta.name: meta.checksum for meta in info.tensors}
+        metas = {meta.name: meta for meta in info.tensors}
         refusals: list[WorkerError] = []  # ours, raised through the link: not the link failing
 
         def deliver(tensors: dict[str, torch.Tensor], digests: dict[str, str]) -> None:
             try:
-                self._take(session, tensors, digests, expected)
+                self._take(session, tensors, digests, metas)
             except WorkerError as e:
                 refusals.append(e)
                 raise
@@ -206,16 +206,33 @@ class Receiver:
             raise WorkerError(ErrorCode.INVALID_INFO, problem or "the trainer refused this chunk")
 
     def _take(
-        self, session: _Session, tensors: dict[str, torch.Tensor], digests: dict[str, str], expected: dict[str, str]
+        self,
+        session: _Session,
+        tensors: dict[str, torch.Tensor],
+        digests: dict[str, str],
+        metas: Mapping[str, TensorMeta],
     ) -> None:
-        """One bucket that arrived: checked against the trainer's digests, then loaded into
-        the shadows (or kept, for an adapter)."""
-        bad = [name for name in tensors if digests[name] != expected[name]]
+        """One bucket that arrived: checked against the trainer's digests (a patch once
+        applied), then loaded into the shadows (or kept, for an adapter)."""
+        patches = {name: blob for name, blob in tensors.items() if metas[name].num_changed is not None}
+        bad = [name for name in tensors if name not in patches and digests[name] != metas[name].checksum]
         if bad:
             raise WorkerError(ErrorCode.CHECKSUM_MISMATCH, f"tensors {bad[:5]} do not match the trainer's checksums")
         with self._lock:
             if self._session is not session:
                 raise WorkerError(ErrorCode.WRONG_STATE, "the update was aborted while the chunk arrived")
+        if patches:
+            if session.update is None:
+                raise WorkerError(ErrorCode.INVALID_INFO, "a LoRA adapter is sent whole, not as patches")
+            with self._lock:
+                known = {name: self._bases[name] for name in patches if name in self._bases}
+            bases = {name: known.get(name) for name in patches}
+            patched = _patched(session.update, patches, bases, metas)
+            session.bases.update(patched)
+            tensors = {**tensors, **patched}
+        with self._lock:
+            kept = [name for name in tensors if name in self._bases and name not in patches]
+        session.bases.update({name: tensors[name].clone() for name in kept})  # the landing area is reused
         session.names.update(tensors)
         if session.update is None:
             session.lora.update({name: t.clone() for name, t in tensors.items()})
@@ -278,13 +295,29 @@ class Receiver:
         session = self._end_session()
         if session.update is None:
             raise WorkerError(ErrorCode.WRONG_STATE, "this session carries a LoRA adapter, not model weights")
+        committed = False
         try:
-            return session.update.commit()
+            count = session.update.commit()
+            committed = True
+            return count
         except Exception as e:
             logger.exception("committing the update failed")
             raise WorkerError(ErrorCode.COMMIT_FAILED, f"committing the update failed: {e}") from e
         finally:
-            session.close()
+            self._end(session, committed)
+
+    def _end(self, session: _Session | None, committed: bool = False) -> None:
+        """A session is over: drop its shadows; keep the bases of what it committed, forget
+        those of what went live half way (in place, or a failed commit)."""
+        if session is None or session.update is None:
+            return
+        session.update.close()
+        with self._lock:
+            if committed:
+                self._bases.update(session.bases)
+            elif session.update.went_live:
+                for name in session.names:
+                    self._bases.pop(name, None)
 
     def _end_session(self) -> _Session:
         with self._lock:
@@ -294,3 +327,30 @@ class Receiver:
         if session is None:
             raise WorkerError(ErrorCode.WRONG_STATE, "no update session is open")
         return session
+
+
+def _patched(
+    update: ShadowUpdate,
+    patches: Mapping[str, torch.Tensor],
+    bases: Mapping[str, torch.Tensor | None],
+    metas: Mapping[str, TensorMeta],
+) -> dict[str, torch.Tensor]:
+    """Each patched tensor whole: its base (kept from the last commit, else the served value)
+    with the patch applied, checked against the trainer's digest of the tensor it meant (a
+    patch made on other weights fails here)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, blob in patches.items():
+        meta = metas[name]
+        assert meta.num_changed is not None
+        base = bases[name]
+        try:
+            tensor = patch.apply(base if base is not None else update.served_value(name), blob, meta.num_changed)
+        except ValueError as e:
+            raise WorkerError(ErrorCode.INVALID_INFO, f"{name}: {e}") from e
+        if tensor_checksum(tensor) != meta.checksum:
+            raise WorkerError(
+                ErrorCode.CHECKSUM_MISMATCH,
+                f"{name}: the patched tensor is not the trainer's (the patch was made on other weights than served)",
+            )
+        out[name] = tensor
+    return out

@@ -11,6 +11,7 @@ size 1 only; anything else is refused rather than described wrongly.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -64,29 +65,34 @@ class ServedWeights:
         self._digests: dict[str, str] = {}
         self._inconsistent: set[str] = set()
         self._pending: list[str] = sorted(self._names)
+        # Digests are taken on the engine loop; an in-place update invalidates them from its
+        # transfer thread.
+        self._lock = threading.Lock()
 
     # Digests -----------------------------------------------------------------------------
 
     def invalidate(self) -> None:
         """The served weights changed (a commit); digest everything again on next use."""
-        self._digests.clear()
-        self._inconsistent.clear()
-        self._pending = sorted(self._names)
+        with self._lock:
+            self._digests.clear()
+            self._inconsistent.clear()
+            self._pending = sorted(self._names)
 
     def advance(self, budget_s: float) -> bool:
         """Digest tensors until `budget_s` is spent; True once every tensor is digested. Run
         between engine steps, so generation goes on while a large model is digested."""
-        deadline = time.monotonic() + budget_s
-        while self._pending and time.monotonic() < deadline:
-            name = self._pending.pop()
-            digests = {tensor_checksum(self.read(site)) for site in self._sites[name]}
-            if len(digests) == 1:
-                self._digests[name] = digests.pop()
-            else:
-                # The places serving this tensor disagree: no single tensor describes it.
-                self._inconsistent.add(name)
-                self._digests[name] = combined_checksum({str(i): d for i, d in enumerate(sorted(digests))})
-        return not self._pending
+        with self._lock:
+            deadline = time.monotonic() + budget_s
+            while self._pending and time.monotonic() < deadline:
+                name = self._pending.pop()
+                digests = {tensor_checksum(self.read(site)) for site in self._sites[name]}
+                if len(digests) == 1:
+                    self._digests[name] = digests.pop()
+                else:
+                    # The places serving this tensor disagree: no single tensor describes it.
+                    self._inconsistent.add(name)
+                    self._digests[name] = combined_checksum({str(i): d for i, d in enumerate(sorted(digests))})
+            return not self._pending
 
     @property
     def digests(self) -> Mapping[str, str]:
@@ -118,7 +124,11 @@ class ServedWeights:
         given = set(names)
         layers = {self._layer[n] for n in given if n in self._layer}
         missing = {m for layer in layers for m in self._members[layer]} - given
-        return {name: self.read(self._loaded_site(name)).clone() for name in sorted(missing)}
+        return {name: self.value(name) for name in sorted(missing)}
+
+    def value(self, name: str) -> torch.Tensor:
+        """A copy of one checkpoint tensor as the model serves it now."""
+        return self.read(self._loaded_site(name)).clone()
 
     def _loaded_site(self, name: str) -> Site:
         return next(site for site in self._sites[name] if not site.is_alias)

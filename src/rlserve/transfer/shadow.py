@@ -51,10 +51,12 @@ class ShadowUpdate:
         self._processed: set[str] = set()
         # Processed shadows waiting for the commit, by served module name.
         self._ready: dict[str, torch.nn.Module] = {}
+        # Something went live: the served digests are stale from `close()` on.
+        self._installed = False
 
-    @property
-    def num_arrived(self) -> int:
-        return len(self._arrived)
+    def served_value(self, name: str) -> torch.Tensor:
+        """A checkpoint tensor as the model serves it now (what a patch applies to)."""
+        return self._served.value(name)
 
     def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Load checked tensors (checkpoint names) into the shadows; process every layer that
@@ -76,6 +78,11 @@ class ShadowUpdate:
         self._install(list(self._ready))
         return len(self._arrived)
 
+    @property
+    def went_live(self) -> bool:
+        """Whether any layer of this update was installed (in place, or by the commit)."""
+        return self._installed
+
     def close(self) -> None:
         """Drop every shadow now. They hold references to the served modules' old state (a
         CPU kernel of the old weights) and, through their tensors' weight loaders, cycles a
@@ -84,6 +91,8 @@ class ShadowUpdate:
             shadow.__dict__.clear()
         self._shadow.clear()
         self._ready.clear()
+        if self._installed:
+            self._served.invalidate()  # also what was digested while an install was under way
 
     # Building ----------------------------------------------------------------------------
 
@@ -110,6 +119,7 @@ class ShadowUpdate:
 
     def _install(self, layers: list[str]) -> None:
         copied: set[int] = set()
+        self._installed = self._installed or bool(layers)
         try:
             for layer in layers:
                 _install(self._live[layer], self._ready.pop(layer), copied)

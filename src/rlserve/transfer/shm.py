@@ -37,6 +37,7 @@ from rlserve.transfer.protocol import (
     plan_buckets,
     require_known_keys,
     tensor_checksum,
+    wire_view,
 )
 
 # A name, never a path: the server maps segments of this shape and nothing else.
@@ -182,8 +183,7 @@ class ShmLink:
             received: dict[str, torch.Tensor] = {}
             for index, offset in group:
                 meta = info.tensors[index]
-                raw = self._landing[offset : offset + meta.num_bytes]
-                received[meta.name] = raw.view(getattr(torch, meta.dtype_name)).view(meta.shape)
+                received[meta.name] = wire_view(self._landing[offset : offset + meta.num_bytes], meta)
             deliver(received, {name: tensor_checksum(t) for name, t in received.items()})
         return True
 

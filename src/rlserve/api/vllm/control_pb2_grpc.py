@@ -308,12 +308,15 @@ class ControlServicer:
 
     def UpdateWeights(self, request, context):
         """Receive one chunk described by update_info_json (for rlserve_gloo: names, dtype_names,
-        shapes, checksums, bucket_bytes; rlserve_shm adds segment_offset, where the chunk lies in
-        the trainer's segment) while the trainer sends it on the backend's transport.
+        shapes, checksums, bucket_bytes, and for sparse patches num_changed and
+        base_weight_version; rlserve_shm adds segment_offset, where the chunk lies in the
+        trainer's segment) while the trainer sends it on the backend's transport.
         A partial update is fine: the other tensors of a fused layer it touches are completed
         from the weights being served. Status: FAILED_PRECONDITION without an open session or
         with a broken transport; INVALID_ARGUMENT for bad JSON, unknown or duplicate names,
-        wrong shapes or dtypes, mismatched list lengths or checksums; DEADLINE_EXCEEDED when the
+        wrong shapes or dtypes, mismatched list lengths or checksums (for a patch: of the
+        patched tensor), a patch index outside its tensor; ABORTED for a patch on another
+        weight version than the one served (nothing changes); DEADLINE_EXCEEDED when the
         trainer stops sending (the transport is then out of step: re-initialize it). Any error
         drops the session; with rlserve_gloo and rlserve_shm the served weights are unchanged.
         """
