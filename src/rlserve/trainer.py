@@ -14,12 +14,11 @@ safe, and raises `WeightSyncError`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -34,21 +33,18 @@ from rlserve.config import DEFAULT_TRANSFER_TIMEOUT_S
 from rlserve.transfer import patch as _patch
 from rlserve.transfer import shm
 from rlserve.transfer.gloo_group import GlooGroup
+from rlserve.transfer.plan import DEFAULT_CHUNK_BYTES, NamedTensors, plan_patch, plan_sync
 from rlserve.transfer.protocol import (
     BACKEND_NAME,
     DEFAULT_BUCKET_BYTES,
-    DTYPE_BYTES,
     SHM_BACKEND_NAME,
     ChunkInfo,
-    TensorMeta,
     combined_checksum,
     plan_buckets,
-    tensor_checksum,
 )
 from rlserve.types import PauseMode
 
 TRANSPORTS = {"gloo": BACKEND_NAME, "shm": SHM_BACKEND_NAME}
-DEFAULT_CHUNK_BYTES = 1024 * 1024 * 1024
 # A chunk's deadline grows with its size, as the server's does: one timeout per 256 MiB.
 BYTES_PER_TIMEOUT = 256 * 2**20
 # On top of the server's own deadline, so the server's reason arrives before ours expires.
@@ -58,8 +54,6 @@ PAUSE_MODES = {
     PauseMode.WAIT: cpb.PAUSE_MODE_WAIT,
     PauseMode.KEEP: cpb.PAUSE_MODE_KEEP,
 }
-
-NamedTensors = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 class WeightSyncError(RuntimeError):
@@ -216,55 +210,6 @@ class ShmSender:
     def close(self) -> None:
         self.unlink()
         self.segment.close()
-
-
-def plan_sync(
-    weights: NamedTensors,
-    dtype: torch.dtype | None = None,
-    *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> tuple[dict[str, torch.Tensor], list[ChunkInfo]]:
-    """The tensors to send (on the CPU, contiguous, floating ones cast to `dtype`: send in the
-    dtype the server computes with) and the chunks they go in, each with its digests."""
-    tensors = dict(_named_tensors(weights, dtype))
-    if not tensors:
-        raise ValueError("no tensors to sync")
-    unsendable = {n: str(t.dtype) for n, t in tensors.items() if str(t.dtype).removeprefix("torch.") not in DTYPE_BYTES}
-    if unsendable:
-        raise ValueError(f"only {sorted(DTYPE_BYTES)} tensors can be sent: {dict(list(unsendable.items())[:3])}")
-    metas = [
-        TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_checksum(t))
-        for n, t in tensors.items()
-    ]
-    return tensors, _plan_chunks(metas, chunk_bytes, bucket_bytes)
-
-
-def plan_patch(
-    tensors: Mapping[str, torch.Tensor],
-    changed: Mapping[str, torch.Tensor],
-    base_weight_version: str,
-    *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> tuple[dict[str, torch.Tensor], list[ChunkInfo]]:
-    """What to send to turn the weights served as `base_weight_version` into `tensors`
-    (from `plan_sync`): for a tensor in `changed` (its changed flat indices), a patch, or the
-    whole tensor where that is no bigger; nothing for one whose indices are empty; the whole
-    tensor for one not in `changed`. Each digest is of the whole new tensor."""
-    payload: dict[str, torch.Tensor] = {}
-    metas: list[TensorMeta] = []
-    for name, tensor in tensors.items():
-        indices = changed.get(name)
-        if indices is not None and indices.numel() == 0:
-            continue
-        blob = _patch.encode(tensor, indices) if indices is not None else None
-        meta = TensorMeta(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor_checksum(tensor))
-        if blob is not None:
-            meta = dataclasses.replace(meta, num_changed=indices.numel())  # type: ignore[union-attr]
-        payload[name] = tensor if blob is None else blob
-        metas.append(meta)
-    return payload, _plan_chunks(metas, chunk_bytes, bucket_bytes, base_weight_version)
 
 
 class WeightSync:
@@ -570,37 +515,6 @@ def _first_failure_wins(rpc: Future, join: Future) -> None:
         rpc.result()  # raises the server's reason
     join.result()
     rpc.result()
-
-
-def _named_tensors(weights: NamedTensors, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(weights, torch.nn.Module):
-        items: Iterable[tuple[str, torch.Tensor]] = weights.named_parameters()
-    elif isinstance(weights, Mapping):
-        items = weights.items()
-    else:
-        items = weights
-    for name, tensor in items:
-        t = tensor.detach().to("cpu")
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        yield name, t.contiguous()
-
-
-def _plan_chunks(
-    metas: list[TensorMeta], chunk_bytes: int, bucket_bytes: int, base_weight_version: str | None = None
-) -> list[ChunkInfo]:
-    groups: list[list[TensorMeta]] = []
-    size = 0
-    for meta in metas:
-        if not groups or size + meta.num_bytes > chunk_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(meta)
-        size += meta.num_bytes
-    patches = any(meta.num_changed is not None for meta in metas)
-    return [
-        ChunkInfo(tuple(g), bucket_bytes, base_weight_version=base_weight_version if patches else None) for g in groups
-    ]
 
 
 def _fill(spare: torch.Tensor, bucket: Any, chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
