@@ -109,9 +109,10 @@ class LifecycleServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AbortWeightUpdate(self, request, context):
-        """Drop the open weight-update session. With rlserve_gloo or rlserve_shm (which stage what
-        they receive) the model keeps the weights and version it had; with an in-place backend
-        (vLLM's nccl, ipc, ...) the weights are marked inconsistent and resume is refused until
+        """Drop the open weight-update session. With rlserve_gloo or rlserve_shm (which build the
+        update beside the served weights and swap it in at the commit) the model keeps the
+        weights and version it had; with an in-place update (--weight-update-mode in-place, or
+        vLLM's nccl, ipc, ...) the weights are marked inconsistent and resume is refused until
         a complete update succeeds. Idempotent: OK when no session is open. A session that sees
         no call for its lease (--update-lease-s, default the transfer timeout) is aborted the
         same way, and generation resumes when the old weights are intact.
@@ -151,7 +152,7 @@ class LifecycleServicer:
 
     def StartLoraUpdate(self, request, context):
         """Push a LoRA adapter from the trainer through the weight transport (rlserve_gloo or
-        rlserve_shm), staged
+        rlserve_shm), checked
         and verified like a full update, without pausing generation: StartLoraUpdate, then
         vllm.Control/UpdateWeights with chunks of PEFT-named tensors (base_model.model.<layer>.
         lora_A/B.weight, in the served dtype, checked against the checkpoint's layers and the
