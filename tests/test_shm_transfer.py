@@ -273,3 +273,29 @@ async def test_a_patch_sync_over_shared_memory_serves_the_patched_weights(shm, t
     digests = (await shm.lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())).per_tensor
     assert {n: digests[n] for n in second} == {n: tensor_checksum(t) for n, t in second.items()}
     assert await greedy(shm.inference) == await reference_outputs(tiny_model_dir, second, tmp_path, engine_config)
+
+
+def masked_sync_in_thread(target: str, first: dict, second: dict, masks: dict) -> tuple:
+    with Client(target) as client:
+        sync = WeightSync(client, transport="shm")
+        try:
+            return sync.sync(first, "mask-0"), sync.sync(second, "mask-1", patch=masks)
+        finally:
+            sync.close()
+
+
+async def test_a_masked_patch_sends_only_the_masked_elements(shm, tiny_model_dir):
+    """patch={name: mask}: only those tensors travel, as patches of their masked elements;
+    every other tensor keeps what the server served."""
+    first = perturbed(tiny_model_dir, seed=37)
+    names = sorted(first)[:3]
+    masks = {n: torch.zeros(first[n].shape, dtype=torch.bool) for n in names}
+    second = dict(first)
+    for n in names:
+        masks[n].view(-1)[:5] = True
+        second[n] = first[n].clone()
+        second[n].view(-1)[:5] += 1.0
+    whole, masked = await asyncio.to_thread(masked_sync_in_thread, shm.target, first, second, masks)
+    assert masked.num_tensors == 3 and masked.num_bytes < 3 * 5 * 8 + 1 < whole.num_bytes
+    digests = (await shm.lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())).per_tensor
+    assert {n: digests[n] for n in second} == {n: tensor_checksum(t) for n, t in second.items()}
