@@ -160,12 +160,15 @@ def sdk_seconds(
             runs = [sync.sync(weights, f"v{i}") for i in range(repeats)]
         sync.close()
     return {
-        "transfer_s": median([r.transfer_s for r in runs]),
-        "pause_to_resume_s": median([r.pause_to_resume_s for r in runs]),
-        "commit_s": median([r.commit_s for r in runs]),
+        **medians(runs),
         "num_chunks": runs[0].num_chunks,
         "peak_extra_mb": round((memory.peak_bytes - memory.start_bytes) / 1e6, 1),
     }
+
+
+def medians(runs: list) -> dict[str, float]:
+    """The median seconds of SyncStats runs."""
+    return {key: median([getattr(r, key) for r in runs]) for key in ("transfer_s", "pause_to_resume_s", "commit_s")}
 
 
 def moved(weights: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
@@ -188,12 +191,7 @@ def sparse_seconds(target: str, weights: dict[str, torch.Tensor], fraction: floa
         steps = [moved(weights, fraction, seed=100 + i) for i in range(repeats + 1)]
         runs = [sync.sync(w, f"sparse-{i}", patch=True) for i, w in enumerate(steps)][1:]
         sync.close()
-    return {
-        "transfer_s": median([r.transfer_s for r in runs]),
-        "pause_to_resume_s": median([r.pause_to_resume_s for r in runs]),
-        "commit_s": median([r.commit_s for r in runs]),
-        "num_bytes": runs[0].num_bytes,
-    }
+    return {**medians(runs), "num_bytes": runs[0].num_bytes}
 
 
 def memcpy_seconds(weights: dict[str, torch.Tensor], repeats: int) -> float:

@@ -73,6 +73,13 @@ async def pause(control, mode, clear_cache: bool | None = None) -> None:
     await control.PauseGeneration(req)
 
 
+async def begin_update(stubs, trainer) -> None:
+    """A hand trainer's rendezvous, then the server paused (KEEP) with an update session open."""
+    await trainer.init()
+    await pause(stubs.control, cpb.PAUSE_MODE_KEEP)
+    await stubs.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+
+
 async def wait_for_state(lifecycle, check, timeout_s: float = 30.0) -> lpb.LifecycleState:
     """The first streamed state for which `check(state)` holds."""
     watch = lifecycle.WatchState(lpb.WatchStateRequest())

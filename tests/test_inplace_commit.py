@@ -21,13 +21,12 @@ from rlserve.transfer.protocol import tensor_checksum
 
 from conftest import insecure_serialization
 from helpers import (
-    KEEP,
     HandTrainer,
+    begin_update,
     checkpoint,
     chunk_of,
     expect,
     greedy,
-    pause,
     perturbed,
     reference_outputs,
     serving,
@@ -97,9 +96,7 @@ async def test_an_aborted_in_place_update_leaves_the_weights_inconsistent(s, tin
     before = await served(s)
     trainer = HandTrainer(s.target)
     try:
-        await trainer.init()
-        await pause(s.control, KEEP)
-        await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+        await begin_update(s, trainer)
         state = await s.lifecycle.GetState(lpb.GetStateRequest())
         assert not state.weights_consistent and "in-place" in state.inconsistency_reason
         # Half the tensors: the layers they complete are live at once.
@@ -122,9 +119,7 @@ async def test_an_in_place_load_that_fails_half_way_is_reported_and_recovered(s,
         await in_place_engine.llm.collective_rpc(_fail_next_load)
     trainer = HandTrainer(s.target)
     try:
-        await trainer.init()
-        await pause(s.control, KEEP)
-        await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+        await begin_update(s, trainer)
         pairs = sorted(weights.items())
         with pytest.raises(grpc.RpcError) as e:
             await trainer.send(chunk_of(pairs), [t for _, t in pairs])

@@ -28,13 +28,12 @@ from rlserve.transfer.protocol import ChunkInfo, TensorMeta, tensor_checksum
 
 from conftest import insecure_serialization
 from helpers import (
-    KEEP,
     HandTrainer,
+    begin_update,
     changed_a_little,
     checkpoint,
     chunk_of,
     greedy,
-    pause,
     perturbed,
     reference_outputs,
     serving,
@@ -78,9 +77,7 @@ async def update(s, weights: dict, version: str) -> None:
     """One update carrying `weights` (any subset of the checkpoint), through a real gloo group."""
     trainer = HandTrainer(s.target)
     try:
-        await trainer.init()
-        await pause(s.control, KEEP)
-        await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+        await begin_update(s, trainer)
         pairs = sorted(weights.items())
         await trainer.send(chunk_of(pairs), [t for _, t in pairs])
         await s.control.FinishWeightUpdate(cpb.FinishWeightUpdateRequest(weight_version=version))
@@ -191,9 +188,7 @@ async def test_a_load_that_fails_half_way_changes_nothing_and_the_next_update_la
         await engine_.llm.collective_rpc(_fail_next_load)
     trainer = HandTrainer(s.target)
     try:
-        await trainer.init()
-        await pause(s.control, KEEP)
-        await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+        await begin_update(s, trainer)
         pairs = sorted((n, t * 1.5) for n, t in weights.items())
         with pytest.raises(grpc.RpcError) as e:
             await trainer.send(chunk_of(pairs), [t for _, t in pairs])
@@ -303,9 +298,7 @@ async def test_a_bad_patch_is_refused_and_changes_nothing(s, tiny_model_dir, fau
         blob[:4] = torch.tensor([target.numel() + 5], dtype=torch.int32).view(torch.uint8)
     trainer = HandTrainer(s.target)
     try:
-        await trainer.init()
-        await pause(s.control, KEEP)
-        await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+        await begin_update(s, trainer)
         with pytest.raises(grpc.RpcError) as e:
             # A stale base is refused before the workers see the chunk: no vote to join.
             await trainer.send(info, None if fault == PATCH_FAULTS[2] else [blob])

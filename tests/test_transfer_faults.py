@@ -22,6 +22,7 @@ from rlserve.trainer import WeightSync, WeightSyncError
 from helpers import (
     KEEP,
     HandTrainer,
+    begin_update,
     checkpoint,
     checksum,
     chunk_of,
@@ -145,9 +146,7 @@ async def test_a_trainer_that_stops_sending_mid_chunk(wt_engine, engine_config, 
         version = (await s.lifecycle.GetState(lpb.GetStateRequest())).weight_version
         trainer = HandTrainer(s.target, timeout_s=CAP_S)
         try:
-            await trainer.init()
-            await pause(s.control, KEEP)
-            await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+            await begin_update(s, trainer)
             name, tensor = "model.norm.weight", checkpoint(tiny_model_dir)["model.norm.weight"] * 2
             t0 = time.perf_counter()
             stalled = asyncio.ensure_future(trainer.send(chunk_of([(name, tensor)]), [tensor], broadcast=False))
@@ -172,9 +171,7 @@ async def complete_update(s, tiny_model_dir, version: str = "recovered") -> None
     weights = checkpoint(tiny_model_dir)
     trainer = HandTrainer(s.target)
     try:
-        await trainer.init()
-        await pause(s.control, KEEP)
-        await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+        await begin_update(s, trainer)
         pairs = sorted(weights.items())
         await trainer.send(chunk_of(pairs), [t for _, t in pairs])
         await s.control.FinishWeightUpdate(cpb.FinishWeightUpdateRequest(weight_version=version))
@@ -249,9 +246,7 @@ async def test_a_trainer_that_breaks_the_collectives_cannot_kill_the_engine(wt_e
         for fault in ("oversized bucket", "oversized vote"):
             trainer = HandTrainer(s.target, timeout_s=CAP_S)
             try:
-                await trainer.init()
-                await pause(s.control, KEEP)
-                await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+                await begin_update(s, trainer)
                 if fault == "oversized bucket":
                     sent = trainer.send(chunk_of([(name, tensor)]), [tensor, tensor])
                 else:
@@ -308,9 +303,7 @@ async def test_a_tensor_in_another_dtype_than_served_is_refused_and_the_sdk_conv
         bf16 = checkpoint(tiny_model_dir)[name].to(torch.bfloat16)
         trainer = HandTrainer(s.target)
         try:
-            await trainer.init()
-            await pause(s.control, KEEP)
-            await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+            await begin_update(s, trainer)
             assert "float32" in await expect(INVALID, trainer.send(chunk_of([(name, bf16)]), [bf16]))
         finally:
             trainer.close()

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ import torch
 from rlserve.transfer.protocol import (
     SHM_DIR,
     ChunkInfo,
+    Deliver,
     ErrorCode,
     InitInfo,
     WorkerError,
@@ -79,7 +79,7 @@ class GlooLink:
         info: ChunkInfo,
         accept: bool,
         timeout_s: float,
-        deliver: Callable[[dict[str, torch.Tensor], dict[str, str]], None],
+        deliver: Deliver,
     ) -> bool:
         """Vote (`accept`) with the trainer and, when everyone accepts, receive the chunk,
         handing each bucket to `deliver` (its tensors as views of the landing area, and their

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,11 @@ MAX_PATCHED_ELEMENTS = 2**31 - 1
 MAX_WORLD_SIZE = 1 << 16
 MAX_TENSOR_BYTES = 1 << 40
 MAX_BUCKET_BYTES = 1 << 40
+
+
+# How a link hands over one bucket as it lands: its tensors (views the link reuses once the
+# call returns) and their digests as received.
+Deliver = Callable[[dict[str, Any], dict[str, str]], None]
 
 
 class ProtocolError(ValueError):

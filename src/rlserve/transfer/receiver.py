@@ -34,14 +34,18 @@ from rlserve.transfer import patch
 from rlserve.transfer.gloo_link import GlooLink
 from rlserve.transfer.manifest import ManifestEntry, lora_config_misfit, lora_misfit, lora_tensor_misfit
 from rlserve.transfer.notify import Notifier
-from rlserve.transfer.protocol import ChunkInfo, ErrorCode, InitInfo, TensorMeta, WorkerError, tensor_checksum
+from rlserve.transfer.protocol import (
+    ChunkInfo,
+    Deliver,
+    ErrorCode,
+    InitInfo,
+    TensorMeta,
+    WorkerError,
+    tensor_checksum,
+)
 from rlserve.transfer.shadow import ShadowUpdate
 
 logger = logging.getLogger(__name__)
-
-
-# Called with each bucket's tensors (views the link reuses once it returns) and their digests.
-Deliver = Callable[[dict[str, torch.Tensor], dict[str, str]], None]
 
 
 class Link(Protocol):
@@ -120,7 +124,7 @@ class Receiver:
             old, self._link = self._link, link
             dropped, self._session = self._session, None
             self._broken, self._init_op, self._timeout_s = "", None, timeout_s
-        self._end(dropped)
+        self._close_session(dropped)
         if old is not None:
             old.close()
 
@@ -129,7 +133,7 @@ class Receiver:
             link, self._link = self._link, None
             dropped, self._session = self._session, None
         if not self._receiving:
-            self._end(dropped)
+            self._close_session(dropped)
         if link is not None:
             link.close()
 
@@ -145,7 +149,7 @@ class Receiver:
             if self._receiving:
                 raise WorkerError(ErrorCode.WRONG_STATE, "a chunk of an earlier session is still being received")
             dropped, self._session = self._session, _Session(update, lora_max_rank)
-        self._end(dropped)
+        self._close_session(dropped)
 
     def abort(self) -> None:
         """Drop the session. A chunk still on the wire leaves the group out of step with the
@@ -157,7 +161,7 @@ class Receiver:
                 self._broken = "an update was aborted while a chunk was on the wire"
         # A chunk being received closes its session itself when it ends.
         if not receiving:
-            self._end(dropped)
+            self._close_session(dropped)
 
     def receive(self, info: ChunkInfo, timeout_s: float | None = None) -> None:
         """Receive one chunk, bounded by `timeout_s` (default: the transport's timeout per
@@ -181,7 +185,7 @@ class Receiver:
                 self._receiving = False
                 dropped = self._session is not session
             if dropped:  # aborted or replaced while it arrived
-                self._end(session)
+                self._close_session(session)
 
     def _receive(self, link: Link, info: ChunkInfo, session: _Session, timeout_s: float) -> None:
         problem = self._check_against_manifest(info, session) or link.misfit(info)
@@ -221,18 +225,15 @@ class Receiver:
         with self._lock:
             if self._session is not session:
                 raise WorkerError(ErrorCode.WRONG_STATE, "the update was aborted while the chunk arrived")
+            kept = {name: self._bases[name] for name in tensors if name in self._bases}
         if patches:
             if session.update is None:
                 raise WorkerError(ErrorCode.INVALID_INFO, "a LoRA adapter is sent whole, not as patches")
-            with self._lock:
-                known = {name: self._bases[name] for name in patches if name in self._bases}
-            bases = {name: known.get(name) for name in patches}
-            patched = _patched(session.update, patches, bases, metas)
+            patched = _patched(session.update, patches, kept, metas)
             session.bases.update(patched)
             tensors = {**tensors, **patched}
-        with self._lock:
-            kept = [name for name in tensors if name in self._bases and name not in patches]
-        session.bases.update({name: tensors[name].clone() for name in kept})  # the landing area is reused
+        # A kept base sent whole this time: its new value, copied (the landing area is reused).
+        session.bases.update({name: tensors[name].clone() for name in kept if name not in patches})
         session.names.update(tensors)
         if session.update is None:
             session.lora.update({name: t.clone() for name, t in tensors.items()})
@@ -275,7 +276,7 @@ class Receiver:
         """End a LoRA session: write the adapter (checked whole) as a PEFT directory
         `directory`/<this worker's rank> that vLLM loads from; returns how many tensors it
         has. The model is not touched."""
-        session = self._end_session()
+        session = self._claim_session()
         if session.lora_rank is None:
             raise WorkerError(ErrorCode.WRONG_STATE, "no LoRA update session is open")
         staged = session.lora
@@ -292,7 +293,7 @@ class Receiver:
     def commit(self) -> int:
         """Swap the session's shadows in, completing partly sent layers from the served
         weights; returns how many checkpoint tensors were set or kept."""
-        session = self._end_session()
+        session = self._claim_session()
         if session.update is None:
             raise WorkerError(ErrorCode.WRONG_STATE, "this session carries a LoRA adapter, not model weights")
         committed = False
@@ -304,9 +305,9 @@ class Receiver:
             logger.exception("committing the update failed")
             raise WorkerError(ErrorCode.COMMIT_FAILED, f"committing the update failed: {e}") from e
         finally:
-            self._end(session, committed)
+            self._close_session(session, committed)
 
-    def _end(self, session: _Session | None, committed: bool = False) -> None:
+    def _close_session(self, session: _Session | None, committed: bool = False) -> None:
         """A session is over: drop its shadows; keep the bases of what it committed, forget
         those of what went live half way (in place, or a failed commit)."""
         if session is None or session.update is None:
@@ -319,7 +320,7 @@ class Receiver:
                 for name in session.names:
                     self._bases.pop(name, None)
 
-    def _end_session(self) -> _Session:
+    def _claim_session(self) -> _Session:
         with self._lock:
             if self._receiving:
                 raise WorkerError(ErrorCode.WRONG_STATE, "a chunk is still being received")
@@ -332,7 +333,7 @@ class Receiver:
 def _patched(
     update: ShadowUpdate,
     patches: Mapping[str, torch.Tensor],
-    bases: Mapping[str, torch.Tensor | None],
+    kept: Mapping[str, torch.Tensor],
     metas: Mapping[str, TensorMeta],
 ) -> dict[str, torch.Tensor]:
     """Each patched tensor whole: its base (kept from the last commit, else the served value)
@@ -342,7 +343,7 @@ def _patched(
     for name, blob in patches.items():
         meta = metas[name]
         assert meta.num_changed is not None
-        base = bases[name]
+        base = kept.get(name)
         try:
             tensor = patch.apply(base if base is not None else update.served_value(name), blob, meta.num_changed)
         except ValueError as e:

@@ -21,7 +21,7 @@ import mmap
 import os
 import re
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch
 from rlserve.transfer.protocol import (
     SHM_DIR,
     ChunkInfo,
+    Deliver,
     ErrorCode,
     ProtocolError,
     WorkerError,
@@ -170,7 +171,7 @@ class ShmLink:
         info: ChunkInfo,
         accept: bool,
         timeout_s: float,
-        deliver: Callable[[dict[str, torch.Tensor], dict[str, str]], None],
+        deliver: Deliver,
     ) -> bool:
         """Copy the chunk out of the segment and deliver it. No vote is needed: the trainer is
         not blocked in a collective, it waits for the RPC's answer."""
