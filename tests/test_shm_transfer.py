@@ -217,8 +217,10 @@ async def test_a_bad_chunk_is_refused_and_the_next_good_one_lands(shm, tiny_mode
     finally:
         hand.close()
     # The transport still works: the SDK syncs the checkpoint back (it re-inits as needed).
-    stats, _ = await asyncio.to_thread(sync_in_thread, shm.target, checkpoint(tiny_model_dir), "back")
-    assert stats.checksum == await checksum(shm.lifecycle)
+    back = checkpoint(tiny_model_dir)
+    await asyncio.to_thread(sync_in_thread, shm.target, back, "back")
+    digests = (await shm.lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())).per_tensor
+    assert {n: digests[n] for n in back} == {n: tensor_checksum(t) for n, t in back.items()}
     assert segments() == []
 
 
