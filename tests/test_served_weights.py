@@ -207,6 +207,79 @@ async def test_a_load_that_fails_half_way_changes_nothing_and_the_next_update_la
     assert await greedy(s.inference) == await reference_outputs(tiny_model_dir, weights, tmp_path, engine_config)
 
 
+def _fail_second_load(worker) -> None:
+    """The next update's second call into the model's loader fails, once: the first loads the
+    chunk, the second completes the layers it sent in part (at PrepareWeightUpdate)."""
+    cls = type(worker.model_runner.get_model())
+    load = cls.load_weights
+    calls = []
+
+    def failing(self, weights):
+        calls.append(1)
+        if len(calls) == 2:
+            cls.load_weights = load
+            raise RuntimeError("simulated failure while preparing")
+        return load(self, weights)
+
+    cls.load_weights = failing
+
+
+async def test_prepare_does_all_but_the_swap_and_the_commit_then_lands(s, tiny_model_dir):
+    """PrepareWeightUpdate completes the fused layer sent in part and processes it beside the
+    served model: the served digests are still the old ones, no further chunk is taken (the
+    session stays open), and the commit serves the new weights."""
+    weights = checkpoint(tiny_model_dir)
+    before = await served(s)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    trainer = HandTrainer(s.target)
+    try:
+        await begin_update(s, trainer)
+        await trainer.send(chunk_of([(q, weights[q] * 1.5)]), [weights[q] * 1.5])
+        prepared = await s.lifecycle.PrepareWeightUpdate(lpb.PrepareWeightUpdateRequest())
+        assert prepared.session.prepared and prepared.session.num_tensors == 1 and prepared.session.num_chunks == 1
+        again = await s.lifecycle.PrepareWeightUpdate(lpb.PrepareWeightUpdateRequest())
+        assert again.session.session_id == prepared.session.session_id
+        assert dict((await served(s)).per_tensor) == dict(before.per_tensor)
+        k = "model.layers.0.self_attn.k_proj.weight"
+        with pytest.raises(grpc.RpcError) as e:
+            await s.control.UpdateWeights(cpb.UpdateWeightsRequest(update_info_json=b"{}"))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "prepared" in e.value.details()
+        state = await s.lifecycle.GetState(lpb.GetStateRequest())
+        assert state.update_session.prepared and state.weights_consistent
+        await s.control.FinishWeightUpdate(cpb.FinishWeightUpdateRequest(weight_version="prepared"))
+        await s.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+    finally:
+        trainer.close()
+    digests = dict((await served(s)).per_tensor)
+    assert digests == digests_of({**weights, q: weights[q] * 1.5})
+    assert digests[k] == before.per_tensor[k]
+
+
+async def test_a_prepare_that_fails_drops_the_update_and_changes_nothing(s, engine_, tiny_model_dir):
+    weights = checkpoint(tiny_model_dir)
+    before = await served(s)
+    version = (await s.lifecycle.GetState(lpb.GetStateRequest())).weight_version
+    q = "model.layers.0.self_attn.q_proj.weight"
+    with insecure_serialization():
+        await engine_.llm.collective_rpc(_fail_second_load)
+    trainer = HandTrainer(s.target)
+    try:
+        await begin_update(s, trainer)
+        await trainer.send(chunk_of([(q, weights[q] * 1.5)]), [weights[q] * 1.5])
+        with pytest.raises(grpc.RpcError) as e:
+            await s.lifecycle.PrepareWeightUpdate(lpb.PrepareWeightUpdateRequest())
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "simulated failure while preparing" in e.value.details()
+    finally:
+        trainer.close()
+    state = await s.lifecycle.GetState(lpb.GetStateRequest())
+    assert state.weights_consistent and state.weight_version == version and not state.HasField("update_session")
+    assert dict((await served(s)).per_tensor) == dict(before.per_tensor)
+    await s.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+    with pytest.raises(grpc.RpcError) as e:
+        await s.lifecycle.PrepareWeightUpdate(lpb.PrepareWeightUpdateRequest())
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
 def _hold_garbage(worker) -> None:
     """From now on the garbage collector keeps what it finds unreachable (in gc.garbage)."""
     import gc

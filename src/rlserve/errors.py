@@ -117,6 +117,11 @@ class CommitFailed(RlserveError):
     inconsistent until a complete update succeeds. Not a client mistake: INTERNAL."""
 
 
+class PrepareFailed(RlserveError):
+    """Preparing a commit (PrepareWeightUpdate) failed; the session was dropped and a staging
+    backend's served weights are unchanged. Not a client mistake: INTERNAL."""
+
+
 class NotFound(RlserveError):
     """The named thing (a LoRA adapter) does not exist here."""
 

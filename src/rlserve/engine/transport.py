@@ -94,6 +94,11 @@ class WeightTransport(ABC):
         """Receive one chunk. Raises InvalidRequest, TransferTimeout (the transport is then
         out of step with the trainer and needs a new init)."""
 
+    async def prepare(self, timeout_s: float) -> None:
+        """Everything the commit could fail at, done beside the served weights. Raises
+        CommitFailed (nothing went live). A backend that writes into the live weights has
+        nothing left to prepare."""
+
     @abstractmethod
     async def finish(self, timeout_s: float) -> None:
         """Commit. Raises CommitFailed."""
@@ -238,6 +243,10 @@ class GlooTransport(WeightTransport):
         # Every worker received the same adapter; each writes its copy, vLLM loads the first.
         await self._workers.call(Ext.rlserve_write_lora, directory, dict(adapter_config), field="update_info_json")
         return f"{directory}/0"
+
+    async def prepare(self, timeout_s: float) -> None:
+        with self._monitor.busy(timeout_s):
+            await self._workers.call(Ext.rlserve_prepare)
 
     async def finish(self, timeout_s: float) -> None:
         with self._monitor.busy(timeout_s):

@@ -39,6 +39,8 @@ class UpdateSession:
     num_bytes: int = 0
     # A session that pushes a LoRA adapter (StartLoraUpdate): its name; "" for model weights.
     lora_name: str = ""
+    # PrepareWeightUpdate succeeded: only the commit (or an abort) is left.
+    prepared: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlserve.caller import CURRENT
-from rlserve.errors import CapabilityMissing, CommitFailed, StaleBase, TransferTimeout
+from rlserve.errors import CapabilityMissing, CommitFailed, PrepareFailed, StaleBase, TransferTimeout, WrongState
 from rlserve.lifecycle.loras import LoraRegistry, adapter_digest
 from rlserve.lifecycle.mutation import survives_caller_cancellation
 from rlserve.lifecycle.owner import StateOwner
@@ -129,6 +129,11 @@ class WeightUpdates:
         async with self._owner.lock:
             with self._owner.audited("update_weights", f"{len(update_info_json)} bytes of update_info"):
                 session = require_session(self._owner.state, "UpdateWeights")
+                if session.prepared:
+                    raise WrongState(
+                        f"weight update {session.session_id} is prepared for its commit: "
+                        "FinishWeightUpdate or AbortWeightUpdate"
+                    )
                 transport = self._transport()
                 self._disarm_lease()
                 try:
@@ -159,6 +164,30 @@ class WeightUpdates:
                     )
                 )
                 self._arm_lease(session.session_id)
+
+    @survives_caller_cancellation
+    async def prepare(self) -> UpdateSession:
+        """Phase one of a two-phase commit: everything `finish` could fail at short of the
+        swap, done beside the served weights (a no-op for an in-place backend). The session
+        stays open. A failure drops it; with a staging backend nothing changed. Raises
+        NoUpdateSession, PrepareFailed."""
+        async with self._owner.lock:
+            with self._owner.audited("prepare_weight_update", ""):
+                session = require_session(self._owner.state, "PrepareWeightUpdate", lora=False)
+                transport = self._transport()
+                self._disarm_lease()
+                try:
+                    await transport.prepare(self._timeout_s)
+                except BaseException as e:
+                    await self._drop_session("an in-place update failed to prepare its commit")
+                    self._arm_lease(None)
+                    if isinstance(e, CommitFailed):
+                        raise PrepareFailed(f"preparing the commit failed, the update was dropped: {e}") from e
+                    raise
+                session = replace(session, prepared=True)
+                self._owner.publish(update_session=session)
+                self._arm_lease(session.session_id)
+                return session
 
     @survives_caller_cancellation
     async def finish(self, version: str | None) -> None:

@@ -16,7 +16,7 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2, rlserve_pb2
 from rlserve.api.vllm import control_pb2, inference_pb2
 from rlserve.config import RequestLimits
 from rlserve.errors import InvalidRequest, LimitExceeded
-from rlserve.lifecycle.state import LifecycleSnapshot, LifecycleState, check_weight_version
+from rlserve.lifecycle.state import LifecycleSnapshot, LifecycleState, UpdateSession, check_weight_version
 from rlserve.payloads import parse_json_object
 from rlserve.types import PauseMode, PausePhase, SleepTag
 
@@ -400,20 +400,22 @@ def lifecycle_state(state: LifecycleState) -> lifecycle_pb2.LifecycleState:
         transport_ready=state.transport_ready,
         transport_initializing=state.transport_initializing,
     )
-    session = state.update_session
-    if session is not None:
-        msg.update_session.CopyFrom(
-            lifecycle_pb2.WeightUpdateSession(
-                session_id=session.session_id,
-                is_draft=session.is_draft,
-                num_chunks=session.num_chunks,
-                num_tensors=session.num_tensors,
-                num_bytes=session.num_bytes,
-                started_unix_s=session.started_unix_s,
-                lora_name=session.lora_name,
-            )
-        )
+    if state.update_session is not None:
+        msg.update_session.CopyFrom(update_session(state.update_session))
     return msg
+
+
+def update_session(session: UpdateSession) -> lifecycle_pb2.WeightUpdateSession:
+    return lifecycle_pb2.WeightUpdateSession(
+        session_id=session.session_id,
+        is_draft=session.is_draft,
+        num_chunks=session.num_chunks,
+        num_tensors=session.num_tensors,
+        num_bytes=session.num_bytes,
+        started_unix_s=session.started_unix_s,
+        lora_name=session.lora_name,
+        prepared=session.prepared,
+    )
 
 
 def lifecycle_snapshot(snap: LifecycleSnapshot) -> lifecycle_pb2.LifecycleState:

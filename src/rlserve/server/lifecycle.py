@@ -44,6 +44,11 @@ class LifecycleServicer(lifecycle_pb2_grpc.LifecycleServicer):
         return pb.AbortWeightUpdateResponse()
 
     @translate_errors
+    async def PrepareWeightUpdate(self, request: pb.PrepareWeightUpdateRequest, context: Ctx):
+        session = await self._slot.lifecycle.weights.prepare()
+        return pb.PrepareWeightUpdateResponse(session=convert.update_session(session))
+
+    @translate_errors
     async def GetWeightChecksum(self, request: pb.GetWeightChecksumRequest, context: Ctx) -> pb.WeightChecksum:
         return convert.weight_checksum(await self._slot.lifecycle.weights.checksums())
 

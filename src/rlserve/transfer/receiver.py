@@ -74,6 +74,8 @@ class _Session:
     names: set[str] = field(default_factory=set)
     # The whole new value of each tensor a patch may later build on: kept at the commit.
     bases: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Prepared for the commit: no further chunk belongs to it.
+    prepared: bool = False
 
 
 class Receiver:
@@ -173,6 +175,8 @@ class Receiver:
                 raise WorkerError(ErrorCode.WRONG_STATE, "no update session is open")
             if self._receiving:
                 raise WorkerError(ErrorCode.WRONG_STATE, "another chunk is being received")
+            if session.prepared:
+                raise WorkerError(ErrorCode.WRONG_STATE, "the update is prepared for its commit: no more chunks")
             link = self._link
             self._receiving = True
         assert link is not None
@@ -289,6 +293,27 @@ class Receiver:
         save_file({n: t.contiguous() for n, t in staged.items()}, str(path / "adapter_model.safetensors"))
         (path / "adapter_config.json").write_text(json.dumps(dict(adapter_config)))
         return len(staged)
+
+    def prepare(self) -> int:
+        """Phase one of the commit: complete and process every staged layer beside the served
+        model (`ShadowUpdate.prepare`); the session stays open for `commit()` or `abort()`.
+        Returns how many checkpoint tensors the commit will set or keep. A failure leaves
+        the served weights as they were (in place: as far as they were installed)."""
+        with self._lock:
+            if self._receiving:
+                raise WorkerError(ErrorCode.WRONG_STATE, "a chunk is still being received")
+            session = self._session
+        if session is None or session.update is None:
+            raise WorkerError(ErrorCode.WRONG_STATE, "no model-weight update session is open")
+        try:
+            count = session.update.prepare()
+        except WorkerError:
+            raise
+        except Exception as e:
+            logger.exception("preparing the commit failed")
+            raise WorkerError(ErrorCode.COMMIT_FAILED, f"preparing the commit failed: {e}") from e
+        session.prepared = True
+        return count
 
     def commit(self) -> int:
         """Swap the session's shadows in, completing partly sent layers from the served

@@ -69,14 +69,20 @@ class ShadowUpdate:
             if self._served.members(layer) <= self._arrived:
                 self._process(layer)
 
-    def commit(self) -> int:
-        """Complete partly sent layers from the served weights, process them, and install
-        every shadow; returns how many checkpoint tensors the update set or kept."""
+    def prepare(self) -> int:
+        """Complete partly sent layers from the served weights and process them, so that
+        only the swap is left; returns how many checkpoint tensors the update sets or keeps.
+        Idempotent."""
         if {self._served.layer_of(name) for name in self._arrived} - self._processed:
             # vLLM loads a layer whole: the members not sent carry their served values.
             self.load(self._served.complete(self._arrived))
-        self._install(list(self._ready))
         return len(self._arrived)
+
+    def commit(self) -> int:
+        """Prepare (if not yet done) and install every shadow; returns `prepare()`'s count."""
+        count = self.prepare()
+        self._install(list(self._ready))
+        return count
 
     @property
     def went_live(self) -> bool:

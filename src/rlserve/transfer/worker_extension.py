@@ -88,6 +88,16 @@ class RlserveWorkerExtension:
         _in_thread(f"rlserve-chunk-{op[:8]}", receiver.notifier, op, notify_address, work)
         return Reply(True).to_dict()
 
+    def rlserve_prepare(self) -> dict:
+        """Complete and process the staged layers, so that the commit only swaps."""
+        from vllm.config import set_current_vllm_config
+
+        def prepare() -> Reply:
+            with set_current_vllm_config(self.vllm_config):
+                return Reply(True, data={"num_tensors": self._rlserve_receiver().prepare()})
+
+        return _run(prepare)
+
     def rlserve_commit(self) -> dict:
         """Swap the update in (on the engine loop: the engine is paused)."""
         from vllm.config import set_current_vllm_config

@@ -75,6 +75,16 @@ class LoadReport(_message.Message):
     num_outstanding_requests: int
     def __init__(self, engines: _Optional[_Iterable[_Union[EngineLoad, _Mapping]]] = ..., num_held_requests: _Optional[int] = ..., num_outstanding_requests: _Optional[int] = ...) -> None: ...
 
+class PrepareWeightUpdateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PrepareWeightUpdateResponse(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: WeightUpdateSession
+    def __init__(self, session: _Optional[_Union[WeightUpdateSession, _Mapping]] = ...) -> None: ...
+
 class AbortWeightUpdateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -107,7 +117,7 @@ class WeightChecksum(_message.Message):
     def __init__(self, algorithm: _Optional[str] = ..., overall: _Optional[str] = ..., per_tensor: _Optional[_Mapping[str, str]] = ..., inconsistent_tensors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WeightUpdateSession(_message.Message):
-    __slots__ = ("session_id", "is_draft", "num_chunks", "num_tensors", "num_bytes", "started_unix_s", "lora_name")
+    __slots__ = ("session_id", "is_draft", "num_chunks", "num_tensors", "num_bytes", "started_unix_s", "lora_name", "prepared")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     IS_DRAFT_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +125,7 @@ class WeightUpdateSession(_message.Message):
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     STARTED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     is_draft: bool
     num_chunks: int
@@ -122,7 +133,8 @@ class WeightUpdateSession(_message.Message):
     num_bytes: int
     started_unix_s: float
     lora_name: str
-    def __init__(self, session_id: _Optional[str] = ..., is_draft: _Optional[bool] = ..., num_chunks: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., started_unix_s: _Optional[float] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    prepared: bool
+    def __init__(self, session_id: _Optional[str] = ..., is_draft: _Optional[bool] = ..., num_chunks: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., started_unix_s: _Optional[float] = ..., lora_name: _Optional[str] = ..., prepared: _Optional[bool] = ...) -> None: ...
 
 class GetStateRequest(_message.Message):
     __slots__ = ()

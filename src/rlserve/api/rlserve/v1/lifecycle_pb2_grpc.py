@@ -54,6 +54,11 @@ class LifecycleStub:
                 request_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.AbortWeightUpdateRequest.SerializeToString,
                 response_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.AbortWeightUpdateResponse.FromString,
                 _registered_method=True)
+        self.PrepareWeightUpdate = channel.unary_unary(
+                '/rlserve.v1.Lifecycle/PrepareWeightUpdate',
+                request_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.PrepareWeightUpdateRequest.SerializeToString,
+                response_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.PrepareWeightUpdateResponse.FromString,
+                _registered_method=True)
         self.GetWeightChecksum = channel.unary_unary(
                 '/rlserve.v1.Lifecycle/GetWeightChecksum',
                 request_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.GetWeightChecksumRequest.SerializeToString,
@@ -116,6 +121,23 @@ class LifecycleServicer:
         a complete update succeeds. Idempotent: OK when no session is open. A session that sees
         no call for its lease (--update-lease-s, default the transfer timeout) is aborted the
         same way, and generation resumes when the old weights are intact.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrepareWeightUpdate(self, request, context):
+        """Phase one of a two-phase commit, for a trainer that updates several servers as one
+        (rlserve.Fleet): with every chunk received and verified, complete the layers the update
+        sent in part (from the served weights) and process every staged layer, so that only the
+        swap is left for FinishWeightUpdate. Answers what is staged; a trainer commits no server
+        until every server has answered, and aborts all when one fails. After it UpdateWeights is
+        refused (FAILED_PRECONDITION) and the session stays open. FinishWeightUpdate prepares
+        by itself when this was not called. Model weights only (not a LoRA push).
+        Status: FAILED_PRECONDITION with no weight-update session open; INTERNAL when preparing
+        fails, and the session is then dropped: with rlserve_gloo or rlserve_shm the served
+        weights and version stay as they were (an in-place update leaves them inconsistent).
+        Idempotent while the session is open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -198,6 +220,11 @@ def add_LifecycleServicer_to_server(servicer, server):
                     servicer.AbortWeightUpdate,
                     request_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.AbortWeightUpdateRequest.FromString,
                     response_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.AbortWeightUpdateResponse.SerializeToString,
+            ),
+            'PrepareWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareWeightUpdate,
+                    request_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.PrepareWeightUpdateRequest.FromString,
+                    response_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.PrepareWeightUpdateResponse.SerializeToString,
             ),
             'GetWeightChecksum': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWeightChecksum,
@@ -328,6 +355,33 @@ class Lifecycle:
             '/rlserve.v1.Lifecycle/AbortWeightUpdate',
             rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.AbortWeightUpdateRequest.SerializeToString,
             rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.AbortWeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlserve.v1.Lifecycle/PrepareWeightUpdate',
+            rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.PrepareWeightUpdateRequest.SerializeToString,
+            rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.PrepareWeightUpdateResponse.FromString,
             options,
             channel_credentials,
             insecure,
