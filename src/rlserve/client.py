@@ -172,6 +172,7 @@ class Client:
     def __init__(
         self, target: str, *, credentials: ChannelCredentials | None = None, channel: grpc.Channel | None = None
     ) -> None:
+        self.target = target
         self._channel = channel or open_channel(target, credentials)
         self.inference = inference_pb2_grpc.InferenceStub(self._channel)
         self.control = control_pb2_grpc.ControlStub(self._channel)
@@ -223,6 +224,7 @@ class AsyncClient:
     def __init__(
         self, target: str, *, credentials: ChannelCredentials | None = None, channel: grpc.aio.Channel | None = None
     ) -> None:
+        self.target = target
         self._channel = channel or open_aio_channel(target, credentials)
         self.inference = inference_pb2_grpc.InferenceStub(self._channel)
         self.control = control_pb2_grpc.ControlStub(self._channel)

@@ -107,19 +107,21 @@ class TensorSender:
         master_port: int = 0,
         timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
     ) -> None:
-        """`num_workers`: the server's world size times its data-parallel size."""
+        """`num_workers`: the server's world size times its data-parallel size (for a
+        fleet: the sum over its servers)."""
         self.world_size = 1 + num_workers
         self.timeout_s = timeout_s
         self._address = master_address
         self._store = GlooGroup.host_store(master_address, master_port, self.world_size, timeout_s)
         self._group: GlooGroup | None = None
 
-    def init_info(self) -> dict[str, Any]:
-        """What InitWeightTransferEngine takes as init_info (the workers join as ranks 1..)."""
+    def init_info(self, rank_offset: int = 1) -> dict[str, Any]:
+        """What InitWeightTransferEngine takes as init_info: the server's workers join as
+        ranks `rank_offset`.. (several servers in one group each get their own range)."""
         return {
             "master_address": self._address,
             "master_port": self._store.port,
-            "rank_offset": 1,
+            "rank_offset": rank_offset,
             "world_size": self.world_size,
             "timeout_s": self.timeout_s,
         }

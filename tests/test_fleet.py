@@ -1,0 +1,331 @@
+"""`rlserve.Fleet` over real servers: two engines in this process (they accept pickled
+callables, so that a test can make one server's load fail) and, where a server must die, a
+third one as its own `rlserve serve` process. One gloo group spans the trainer and every
+server's workers; every check reads back what each server serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import cloudpickle
+import grpc
+import psutil
+import pytest
+import pytest_asyncio
+
+from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
+from rlserve.api.vllm import control_pb2 as cpb
+from rlserve.client import Client
+from rlserve.config import ServeConfig
+from rlserve.fleet import Fleet, FleetError, FleetSyncError
+from rlserve.trainer import WeightSync
+from rlserve.transfer.protocol import tensor_checksum
+
+from conftest import insecure_serialization
+from helpers import checkpoint, free_port, greedy, perturbed, reference_outputs, serving
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+TIMEOUT_S = 10.0
+
+
+@pytest_asyncio.fixture(scope="module")
+async def engines(engine_config):
+    from rlserve.engine.adapter import EngineAdapter
+
+    config = replace(engine_config, weight_transfer_backend="rlserve_gloo", kv_cache_gib=0.25)
+    with insecure_serialization():
+        started = []
+        try:
+            for _ in range(2):
+                started.append(await asyncio.to_thread(EngineAdapter.start, config))
+            yield started
+        finally:
+            for adapter in started:
+                await adapter.close()
+                adapter.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def servers(engines, engine_config):
+    config = ServeConfig(
+        engine=replace(engine_config, weight_transfer_backend="rlserve_gloo"), transfer_timeout_s=TIMEOUT_S
+    )
+    async with serving(engines[0], config) as a, serving(engines[1], config) as b:
+        yield a, b
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def checkpoint_weights(servers, tiny_model_dir):
+    """Every test starts with both servers serving the checkpoint as "checkpoint", running."""
+    for s in servers:
+        await s.lifecycle.AbortWeightUpdate(lpb.AbortWeightUpdateRequest())
+        state = await s.lifecycle.GetState(lpb.GetStateRequest())
+        if state.pause_phase != lpb.PAUSE_PHASE_RUNNING and state.weights_consistent:
+            await s.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+    fleet = Fleet([s.target for s in servers], timeout_s=TIMEOUT_S)
+    try:
+        await asyncio.to_thread(fleet.init, require_same_weights=False)
+        await asyncio.to_thread(fleet.sync, checkpoint(tiny_model_dir), "checkpoint")
+    finally:
+        fleet.close()
+
+
+def digests_of(weights: dict) -> dict[str, str]:
+    return {n: tensor_checksum(t) for n, t in weights.items()}
+
+
+async def served(s) -> dict[str, str]:
+    return dict((await s.lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())).per_tensor)
+
+
+async def state(s) -> lpb.LifecycleState:
+    return await s.lifecycle.GetState(lpb.GetStateRequest())
+
+
+async def test_one_sync_serves_the_trainers_weights_on_every_server(servers, tiny_model_dir, tmp_path, engine_config):
+    weights = perturbed(tiny_model_dir, seed=11)
+    with Fleet([s.target for s in servers], timeout_s=TIMEOUT_S) as fleet:
+        stats = await asyncio.to_thread(fleet.sync, weights, "step-1")
+        assert stats.servers == tuple(s.target for s in servers) and stats.num_tensors == len(weights)
+        # Routed rollouts say where they ran and which weights produced them.
+        out = await asyncio.to_thread(fleet.generate, "Hello", max_new_tokens=4, ignore_eos=True, temperature=0.0)
+        assert out.server in fleet.servers
+        assert [span.weight_version for span in out.response.outputs.weight_version_spans] == ["step-1"]
+    reference = await reference_outputs(tiny_model_dir, weights, tmp_path, engine_config)
+    for s in servers:
+        st = await state(s)
+        assert st.weight_version == "step-1" and st.pause_phase == lpb.PAUSE_PHASE_RUNNING
+        assert await served(s) == digests_of(weights)
+        assert await greedy(s.inference) == reference
+
+
+async def test_init_names_the_server_that_does_not_fit(servers, tiny_model_dir):
+    a, b = servers
+    # b alone gets other weights: no longer the fleet's.
+    sync = WeightSync(Client(b.target), timeout_s=TIMEOUT_S)
+    try:
+        await asyncio.to_thread(sync.sync, perturbed(tiny_model_dir, seed=12), "elsewhere")
+    finally:
+        sync.close()
+    with Fleet([a.target, b.target], timeout_s=TIMEOUT_S) as fleet:
+        with pytest.raises(FleetError, match=f"{b.target} serves other weights"):
+            await asyncio.to_thread(fleet.init)
+    dead = f"127.0.0.1:{free_port()}"
+    with Fleet([a.target, dead], timeout_s=TIMEOUT_S, rpc_timeout_s=2) as fleet:
+        with pytest.raises(FleetError, match=f"{dead}: UNAVAILABLE"):
+            await asyncio.to_thread(fleet.init)
+    assert (await state(a)).weight_version == "checkpoint"
+
+
+def _fail_next_load(worker) -> None:
+    """The next update's loading fails after 3 tensors, once (as an out-of-memory would)."""
+    cls = type(worker.model_runner.get_model())
+    load = cls.load_weights
+
+    def failing(self, weights):
+        cls.load_weights = load
+        for i, item in enumerate(weights):
+            if i == 3:
+                raise RuntimeError("simulated failure after 3 tensors")
+            load(self, iter([item]))
+
+    cls.load_weights = failing
+
+
+async def test_a_server_that_fails_before_the_vote_leaves_every_server_as_it_was(servers, engines, tiny_model_dir):
+    before = [await served(s) for s in servers]
+    with insecure_serialization():
+        await engines[1].llm.collective_rpc(_fail_next_load)
+    with Fleet([s.target for s in servers], timeout_s=TIMEOUT_S) as fleet:
+        with pytest.raises(FleetSyncError) as e:
+            await asyncio.to_thread(fleet.sync, perturbed(tiny_model_dir, seed=13), "never")
+        assert e.value.committed == () and e.value.resumed_on_old_weights
+        assert "simulated failure" in e.value.outcomes[servers[1].target]
+        assert fleet.servers == tuple(s.target for s in servers)
+        for s, digests in zip(servers, before, strict=True):
+            st = await state(s)
+            assert st.weight_version == "checkpoint" and st.pause_phase == lpb.PAUSE_PHASE_RUNNING
+            assert not st.HasField("update_session") and await served(s) == digests
+        # The group is still in step: the next sync lands everywhere.
+        weights = perturbed(tiny_model_dir, seed=14)
+        await asyncio.to_thread(fleet.sync, weights, "after")
+    for s in servers:
+        assert (await state(s)).weight_version == "after" and await served(s) == digests_of(weights)
+
+
+class _LoseUpdateWeights(grpc.UnaryUnaryClientInterceptor):
+    """A test double for a server that refuses a chunk before its workers vote (another
+    admin aborted its session, say): its UpdateWeights fails here, never reaching it."""
+
+    def intercept_unary_unary(self, continuation, details, request):
+        if details.method.endswith("/UpdateWeights"):
+            return continuation(details._replace(method="/vllm.Control/NoSuchMethod"), request)
+        return continuation(details, request)
+
+
+async def test_a_refusal_before_the_vote_ends_the_others_collective_at_once(servers, tiny_model_dir):
+    a, b = servers
+    lossy = Client(b.target, channel=grpc.intercept_channel(grpc.insecure_channel(b.target), _LoseUpdateWeights()))
+    with Fleet([Client(a.target), lossy], timeout_s=TIMEOUT_S) as fleet:
+        t0 = time.monotonic()
+        with pytest.raises(FleetSyncError) as e:
+            await asyncio.to_thread(fleet.sync, perturbed(tiny_model_dir, seed=15), "never")
+        # Without ending b's membership, a would wait in the vote for its transfer timeout.
+        assert time.monotonic() - t0 < TIMEOUT_S * 0.8
+        assert e.value.committed == () and "UNIMPLEMENTED" in e.value.outcomes[b.target]
+    for s in servers:
+        st = await state(s)
+        assert st.weight_version == "checkpoint" and st.pause_phase == lpb.PAUSE_PHASE_RUNNING
+
+
+async def test_a_server_gone_between_syncs_gets_no_request_and_is_dropped_at_the_next_sync(servers, tiny_model_dir):
+    a, b = servers
+    gone = f"127.0.0.1:{free_port()}"
+    with Fleet([a.target, gone, b.target], timeout_s=TIMEOUT_S, rpc_timeout_s=2) as fleet:
+        routed = await asyncio.to_thread(fleet.generate_many, ["Hi"] * 12, max_new_tokens=2)
+        assert all(not isinstance(r, BaseException) and r.server in (a.target, b.target) for r in routed)
+        weights = perturbed(tiny_model_dir, seed=19)
+        stats = await asyncio.to_thread(fleet.sync, weights, "without-it")
+        assert stats.servers == (a.target, b.target) and fleet.servers == (a.target, b.target)
+        assert [d.server for d in fleet.dropped] == [gone] and "UNAVAILABLE" in fleet.dropped[0].reason
+    for s in servers:
+        assert (await state(s)).weight_version == "without-it" and await served(s) == digests_of(weights)
+
+
+async def test_a_server_joins_with_a_full_sync_and_leaves(servers, tiny_model_dir):
+    a, b = servers
+    sync = WeightSync(Client(b.target), timeout_s=TIMEOUT_S)
+    try:
+        await asyncio.to_thread(sync.sync, perturbed(tiny_model_dir, seed=16), "b-alone")
+    finally:
+        sync.close()
+    weights = perturbed(tiny_model_dir, seed=17)
+    with Fleet([a.target], timeout_s=TIMEOUT_S) as fleet:
+        await asyncio.to_thread(fleet.sync, weights, "one")
+        fleet.add(b.target)
+        name = "model.layers.0.self_attn.q_proj.weight"
+        with pytest.raises(ValueError, match="send every tensor"):
+            await asyncio.to_thread(fleet.sync, {name: weights[name]}, "partial")
+        await asyncio.to_thread(fleet.sync, weights, "two")
+        for s in servers:
+            assert (await state(s)).weight_version == "two" and await served(s) == digests_of(weights)
+        fleet.remove(b.target)
+        assert fleet.servers == (a.target,)
+        # A subset is fine again, and only a is synced.
+        await asyncio.to_thread(fleet.sync, {name: weights[name] * 2}, "three")
+    assert (await state(a)).weight_version == "three" and (await state(b)).weight_version == "two"
+
+
+async def test_routing_keeps_sessions_and_skips_a_paused_server(servers):
+    a, b = servers
+    with Fleet([a.target, b.target], timeout_s=TIMEOUT_S) as fleet:
+        first = await asyncio.to_thread(fleet.generate, "Hi", session_id="s1", max_new_tokens=2)
+        again = [
+            await asyncio.to_thread(fleet.generate, "Hi there", session_id="s1", max_new_tokens=2) for _ in range(4)
+        ]
+        assert {r.server for r in again} == {first.server}
+        # Spread: with sessions of their own, both servers take requests.
+        many = await asyncio.to_thread(
+            fleet.generate_many, ["Hi"] * 16, session_ids=[f"x{i}" for i in range(16)], max_new_tokens=8
+        )
+        assert {r.server for r in many} == {a.target, b.target}
+        await b.control.PauseGeneration(cpb.PauseGenerationRequest(mode=cpb.PAUSE_MODE_KEEP))
+        try:
+            await _until(lambda: not fleet.router._watches[b.target].serving)
+            routed = await asyncio.to_thread(fleet.generate_many, ["Hi"] * 12, max_new_tokens=2)
+            assert all(r.server == a.target for r in routed)
+            # A session on the paused server moves to one that serves.
+            moved = [
+                await asyncio.to_thread(fleet.generate, "Hi", session_id=f"x{i}", max_new_tokens=2) for i in range(16)
+            ]
+            assert {r.server for r in moved} == {a.target}
+        finally:
+            await b.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+
+
+async def _until(check, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def server_process(model_dir):
+    """`rlserve serve` in a process of its own, to be killed."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "rlserve", "serve", "--model", str(model_dir), "--port", str(port),
+        "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", "0.25",
+        "--weight-transfer-backend", "rlserve_gloo", "--transfer-timeout-s", str(TIMEOUT_S),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0)
+    try:
+        client = Client(f"127.0.0.1:{port}")
+        await asyncio.to_thread(client.wait_ready, 300)
+        client.close()
+        yield proc, f"127.0.0.1:{port}"
+    finally:
+        kill_tree(proc)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the server and every process under it (vLLM's engine core runs in a process
+    group of its own and outlives a killed server)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+class _KillAtCommit(grpc.UnaryUnaryClientInterceptor):
+    """A test double for a server that dies at its commit: kills the server and its engine
+    just as FinishWeightUpdate is sent to it (a real death; only its moment is chosen)."""
+
+    def __init__(self, proc) -> None:
+        self._proc = proc
+
+    def intercept_unary_unary(self, continuation, details, request):
+        if details.method.endswith("/FinishWeightUpdate"):
+            kill_tree(self._proc)
+        return continuation(details, request)
+
+
+async def test_a_server_killed_at_its_commit_is_dropped_and_the_others_serve_the_new_version(servers, tiny_model_dir):
+    a, b = servers
+    async with server_process(tiny_model_dir) as (proc, target):
+        doomed = Client(target, channel=grpc.intercept_channel(grpc.insecure_channel(target), _KillAtCommit(proc)))
+        weights = perturbed(tiny_model_dir, seed=18)
+        with Fleet([Client(a.target), Client(b.target), doomed], timeout_s=TIMEOUT_S) as fleet:
+            # Requests in flight while the server dies: every one ends, with a result or an error.
+            rollouts = asyncio.ensure_future(
+                asyncio.to_thread(fleet.generate_many, ["Tell me a story"] * 24, max_new_tokens=64)
+            )
+            with pytest.raises(FleetSyncError) as e:
+                await asyncio.to_thread(fleet.sync, weights, "survivors")
+            results = await rollouts
+            assert len(results) == 24
+            assert all(not isinstance(r, BaseException) or isinstance(r, grpc.RpcError) for r in results)
+            assert set(e.value.committed) == {a.target, b.target} and e.value.dropped == (target,)
+            assert e.value.outcomes[target].startswith("commit failed: UNAVAILABLE")
+            assert fleet.servers == (a.target, b.target) and fleet.dropped[0].server == target
+            for s in servers:
+                st = await state(s)
+                assert st.weight_version == "survivors" and st.pause_phase == lpb.PAUSE_PHASE_RUNNING
+                assert await served(s) == digests_of(weights)
+            # The fleet goes on without it: a new group of the two that are left.
+            await asyncio.to_thread(fleet.sync, checkpoint(tiny_model_dir), "checkpoint")
+            routed = await asyncio.to_thread(fleet.generate_many, ["Hi"] * 8, max_new_tokens=2)
+            assert {r.server for r in routed} <= {a.target, b.target}
