@@ -73,6 +73,8 @@ class _Watch:
                     self.reported.set()
             except grpc.RpcError:
                 pass
+            except ValueError:  # the channel was closed: the server left the fleet
+                self._stop.set()
             self.serving = False
             self.reported.set()
             self._stop.wait(REWATCH_S)
