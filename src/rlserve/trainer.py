@@ -128,7 +128,8 @@ class TensorSender:
 
     def join(self) -> None:
         """Blocks until every worker has joined (or raises at the timeout)."""
-        self._group = GlooGroup(self._store, 0, self.world_size, self.timeout_s)
+        # Peers connect to the trainer where they reach its store.
+        self._group = GlooGroup(self._store, 0, self.world_size, self.timeout_s, self._address)
 
     @property
     def joined(self) -> bool:

@@ -15,17 +15,29 @@ import torch.distributed as dist
 
 
 class GlooGroup:
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
-        """Rendezvous through `store`; blocks until every member joined or `timeout_s`."""
+    def __init__(
+        self, store: dist.Store, rank: int, world_size: int, timeout_s: float, local_address: str | None = None
+    ) -> None:
+        """Rendezvous through `store`; blocks until every member joined or `timeout_s`.
+        `local_address`: where this member listens for its peers (gloo's default is what the
+        host name resolves to, often 127.0.0.1: unreachable from any other host)."""
         self.rank, self.world_size = rank, world_size
         self._store = store
-        self._pg = dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if local_address is None:
+            self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            return
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address)]
+        self._pg = dist.ProcessGroupGloo(store, rank, world_size, options)
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> GlooGroup:
-        """A worker joins the trainer's store."""
+        """A worker joins the trainer's store, and listens for its peers on the address its
+        host reaches the trainer from."""
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-        return cls(store, rank, world_size, timeout_s)
+        return cls(store, rank, world_size, timeout_s, local_address_towards(host, port))
 
     @staticmethod
     def host_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -66,3 +78,12 @@ class GlooGroup:
         """Rank 0 sends `buffer`, every other rank receives into it; `.wait()` the result.
         Collectives complete in the order they were issued on every rank."""
         return self._pg.broadcast(buffer, 0)
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """This host's address on the route to `host` (no packet is sent: a UDP socket's
+    connect only picks the route)."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
