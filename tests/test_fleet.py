@@ -25,7 +25,7 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.client import Client
 from rlserve.config import ServeConfig
-from rlserve.fleet import Fleet, FleetError, FleetSyncError
+from rlserve.fleet import AsyncFleet, Fleet, FleetError, FleetSyncError
 from rlserve.trainer import WeightSync
 from rlserve.transfer.protocol import tensor_checksum
 
@@ -92,14 +92,23 @@ async def state(s) -> lpb.LifecycleState:
 
 
 async def test_one_sync_serves_the_trainers_weights_on_every_server(servers, tiny_model_dir, tmp_path, engine_config):
+    """Through the asyncio twin: the test's event loop (which serves both servers) runs on."""
     weights = perturbed(tiny_model_dir, seed=11)
-    with Fleet([s.target for s in servers], timeout_s=TIMEOUT_S) as fleet:
-        stats = await asyncio.to_thread(fleet.sync, weights, "step-1")
+    async with AsyncFleet([s.target for s in servers], timeout_s=TIMEOUT_S) as fleet:
+        stats = await fleet.sync(weights, "step-1")
         assert stats.servers == tuple(s.target for s in servers) and stats.num_tensors == len(weights)
         # Routed rollouts say where they ran and which weights produced them.
-        out = await asyncio.to_thread(fleet.generate, "Hello", max_new_tokens=4, ignore_eos=True, temperature=0.0)
+        out = await fleet.generate("Hello", max_new_tokens=4, ignore_eos=True, temperature=0.0)
         assert out.server in fleet.servers
         assert [span.weight_version for span in out.response.outputs.weight_version_spans] == ["step-1"]
+        chunks = [r async for r in fleet.stream("Hello", max_new_tokens=4, ignore_eos=True, temperature=0.0)]
+        assert len({r.server for r in chunks}) == 1
+        assert [t for r in chunks for t in r.response.outputs.token_ids] == list(out.response.outputs.token_ids)
+        # Leaving a stream early ends its request on the server.
+        async with contextlib.aclosing(fleet.stream("A long story", max_new_tokens=400, ignore_eos=True)) as long:
+            async for _ in long:
+                break
+        assert fleet.fleet.router.outstanding() == {a: 0 for a in fleet.fleet.router.outstanding()}
     reference = await reference_outputs(tiny_model_dir, weights, tmp_path, engine_config)
     for s in servers:
         st = await state(s)

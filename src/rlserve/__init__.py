@@ -5,7 +5,7 @@ Importing the package is cheap: the client and server modules load on first use.
 
 __version__ = "0.1.0"
 
-__all__ = ["AsyncClient", "Client", "Fleet", "__version__"]
+__all__ = ["AsyncClient", "AsyncFleet", "Client", "Fleet", "__version__"]
 
 
 def __getattr__(name: str):
@@ -13,8 +13,8 @@ def __getattr__(name: str):
         from rlserve import client
 
         return getattr(client, name)
-    if name == "Fleet":
-        from rlserve.fleet import Fleet
+    if name in ("Fleet", "AsyncFleet"):
+        from rlserve import fleet
 
-        return Fleet
+        return getattr(fleet, name)
     raise AttributeError(name)

@@ -18,6 +18,8 @@ on one may see the new version a few milliseconds before those on another; every
 names its version), and a server that dies after the vote cannot be made to keep the old
 weights.
 
+`AsyncFleet` is its asyncio twin (the same fleet, its blocking calls in worker threads).
+
 Membership changes between syncs: `add()` and `remove()` take effect at the next sync,
 which rebuilds the group (a new rendezvous with every member); a server found unreachable
 when a sync begins is dropped with a report and the sync goes on with the rest. Rollouts
@@ -27,11 +29,13 @@ over the same servers: `FleetRouter` (`fleet.generate`, `fleet.stream`,
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +47,7 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2, lifecycle_pb2_grpc
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.client import ChannelCredentials, Client
 from rlserve.config import DEFAULT_TRANSFER_TIMEOUT_S
-from rlserve.routing import FleetRouter
+from rlserve.routing import FleetRouter, Routed
 from rlserve.trainer import PAUSE_MODES, RPC_MARGIN_S, TensorSender, WeightSyncError
 from rlserve.transfer.plan import DEFAULT_CHUNK_BYTES, NamedTensors, plan_sync
 from rlserve.transfer.protocol import BACKEND_NAME, DEFAULT_BUCKET_BYTES, ChunkInfo, combined_checksum
@@ -663,3 +667,79 @@ def _check_votes(prepared: Mapping[str, Any], num_chunks: int, num_tensors: int)
 class _NoBar:
     def update(self, n: int) -> None:
         pass
+
+
+class AsyncFleet:
+    """The asyncio twin of `Fleet`, over the same machinery: its blocking calls run in worker
+    threads, so the trainer's event loop goes on (rollouts included) while a sync runs.
+    Arguments as `Fleet`'s."""
+
+    def __init__(self, servers: Iterable[str | Client], **kw: Any) -> None:
+        self.fleet = Fleet(servers, **kw)
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        return self.fleet.servers
+
+    @property
+    def dropped(self) -> list[Dropped]:
+        return self.fleet.dropped
+
+    def add(self, server: str | Client) -> str:
+        return self.fleet.add(server)
+
+    def remove(self, server: str) -> None:
+        self.fleet.remove(server)
+
+    async def init(self, *, require_same_weights: bool = True) -> None:
+        await asyncio.to_thread(self.fleet.init, require_same_weights=require_same_weights)
+
+    async def sync(self, weights: NamedTensors, version: str, **kw: Any) -> FleetSyncStats:
+        return await asyncio.to_thread(self.fleet.sync, weights, version, **kw)
+
+    async def generate(self, prompt: Any, **kw: Any) -> Routed:
+        return await asyncio.to_thread(self.fleet.router.generate, prompt, **kw)
+
+    async def generate_many(self, prompts: Sequence[Any], **kw: Any) -> list[Routed | BaseException]:
+        return await asyncio.to_thread(self.fleet.router.generate_many, prompts, **kw)
+
+    async def stream(self, prompt: Any, **kw: Any) -> AsyncIterator[Routed]:
+        """Each response as it arrives; leaving the loop early cancels the request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        stop = threading.Event()
+
+        def pump() -> None:
+            responses = self.fleet.router.stream(prompt, **kw)
+            try:
+                for routed in responses:
+                    loop.call_soon_threadsafe(queue.put_nowait, routed)
+                    if stop.is_set():
+                        break
+            except BaseException as e:  # handed to the consumer
+                loop.call_soon_threadsafe(queue.put_nowait, e)
+            finally:
+                responses.close()  # cancels the call when it was left early
+                loop.call_soon_threadsafe(queue.put_nowait, _END)
+
+        pumping = asyncio.ensure_future(asyncio.to_thread(pump))
+        try:
+            while (item := await queue.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            await pumping
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.fleet.close)
+
+    async def __aenter__(self) -> AsyncFleet:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+_END = object()

@@ -130,8 +130,9 @@ class FleetRouter:
         while True:
             client = self._acquire(session_id, tried)
             started = False
+            call = client.stream(prompt, timeout_s=timeout_s, **kw)
             try:
-                for response in client.stream(prompt, timeout_s=timeout_s, **kw):
+                for response in call:
                     started = True
                     yield Routed(client.target, response)
                 return
@@ -139,6 +140,7 @@ class FleetRouter:
                 if started or not self._retryable(e, client, tried):
                     raise
             finally:
+                call.cancel()  # a no-op once it ended; ends it when the caller left early
                 self._release(client)
 
     def generate_many(
