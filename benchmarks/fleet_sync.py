@@ -8,6 +8,9 @@ same model and dtype). Legs:
   commit and the digest check on every server;
 - sequential_2: `WeightSync(server).sync(...)` into the first server, then the second (each
   its own group, its own broadcast), as a trainer without a fleet does it.
+Each server's worker is bound to a core of its own where the machine has one per server
+(`VLLM_CPU_OMP_THREADS_BIND`, round robin; vLLM's automatic binding puts every server on the
+same core, which no fleet of real hosts does); `--no-pin` leaves vLLM's binding.
 Each leg is warmed up once (its rendezvous and first sync), then timed --repeats times; the
 figure is the median wall time of the call(s) (pause of the first server to resume of the
 last, digests verified). The last stdout line is one JSON object with the seconds and the
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -80,6 +84,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2", choices=("tiny", "smollm2"))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", help="what the servers compute in, and every leg moves")
+    p.add_argument("--no-pin", action="store_true", help="leave vLLM's own CPU binding")
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "rlserve-bench")
     args = p.parse_args()
     work = args.work_dir
@@ -89,11 +94,22 @@ def main() -> None:
     log(f"{args.model}: {len(weights)} tensors, {nbytes(weights) / 1e6:.1f} MB; starting 3 servers")
     procs, targets = [], []
     try:
-        for _ in range(3):
+        cores = sorted(os.sched_getaffinity(0))
+        pinned = [] if args.no_pin else [cores[i % len(cores)] for i in range(3)]
+        for i in range(3):
+            if pinned:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(pinned[i])
             proc, target = serve(model_dir, work, args.dtype)
             procs.append(proc)
             targets.append(target)
-        r: dict[str, object] = {"model": args.model, "num_tensors": len(weights), "num_bytes": nbytes(weights)}
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        r: dict[str, object] = {
+            "model": args.model,
+            "num_tensors": len(weights),
+            "num_bytes": nbytes(weights),
+            "cpu_count": len(cores),
+            "worker_cores": pinned or "vllm auto",
+        }
         for n in (1, 2, 3):
             log(f"fleet of {n}")
             r[f"fleet_{n}"] = fleet_seconds(targets[:n], weights, args.repeats)
