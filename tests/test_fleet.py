@@ -20,6 +20,7 @@ import grpc
 import psutil
 import pytest
 import pytest_asyncio
+import torch
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
@@ -338,3 +339,45 @@ async def test_a_server_killed_at_its_commit_is_dropped_and_the_others_serve_the
             await asyncio.to_thread(fleet.sync, checkpoint(tiny_model_dir), "checkpoint")
             routed = await asyncio.to_thread(fleet.generate_many, ["Hi"] * 8, max_new_tokens=2)
             assert {r.server for r in routed} <= {a.target, b.target}
+
+
+async def test_the_rl_loop_and_the_demo_drive_a_fleet_as_one(servers, tiny_model_dir, tmp_path):
+    """GRPO over both servers: every step syncs both (one version everywhere, the trainer's
+    digests on each), rollouts go to both, and every token names its version. Then the same
+    through `rlserve demo --server A --server B`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlserve.rl.loop import GrpoConfig, GrpoLoop, Policy
+    from rlserve.rl.rollout import SamplingConfig
+    from rlserve.rl.tasks import Arithmetic
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    policy = Policy(model, AutoTokenizer.from_pretrained(tiny_model_dir), lr=1e-3)
+    config = GrpoConfig(prompts_per_step=4, sampling=SamplingConfig(group_size=4, max_new_tokens=6), lr=1e-3)
+    loop = GrpoLoop(policy, Arithmetic(seed=0), [s.target for s in servers], config)
+    try:
+        records = await asyncio.to_thread(loop.run, 2)
+        routed = loop.fleet.router.routed()
+    finally:
+        loop.close()
+    assert [r.version for r in records] == ["1", "2"]
+    assert [r.token_versions for r in records] == [{str(r.step - 1): r.completion_tokens} for r in records]
+    assert all(r.agreement_ok for r in records)
+    assert set(routed) == {s.target for s in servers} and all(n > 0 for n in routed.values())
+    mine = {n: tensor_checksum(t.detach().contiguous()) for n, t in policy.model.state_dict().items()}
+    for s in servers:
+        assert (await state(s)).weight_version == "2"
+        digests = await served(s)
+        assert {n: mine[n] for n in digests} == digests
+    out = tmp_path / "demo"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rlserve", "demo", "--server", servers[0].target, "--server", servers[1].target,
+        "--model", str(tiny_model_dir), "--steps", "2", "--minutes", "0", "--prompts-per-step", "2",
+        "--group-size", "4", "--out", str(out), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    output, _ = await asyncio.wait_for(proc.communicate(), timeout=300)
+    assert proc.returncode == 0, output.decode()[-3000:]
+    assert "2 steps" in output.decode() and ", ".join(s.target for s in servers) in output.decode()
+    for s in servers:
+        assert (await state(s)).weight_version == "2"

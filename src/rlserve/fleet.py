@@ -671,11 +671,17 @@ class _NoBar:
 
 class AsyncFleet:
     """The asyncio twin of `Fleet`, over the same machinery: its blocking calls run in worker
-    threads, so the trainer's event loop goes on (rollouts included) while a sync runs.
-    Arguments as `Fleet`'s."""
+    threads of its own, so the trainer's event loop goes on (rollouts included) while a sync
+    runs. `servers` and the arguments as `Fleet`'s, or a `Fleet` to drive (not closed here)."""
 
-    def __init__(self, servers: Iterable[str | Client], **kw: Any) -> None:
-        self.fleet = Fleet(servers, **kw)
+    def __init__(self, servers: Fleet | Iterable[str | Client], *, max_concurrency: int = 256, **kw: Any) -> None:
+        """`max_concurrency`: requests in flight at once (each holds a thread)."""
+        self._owned = not isinstance(servers, Fleet)
+        self.fleet = Fleet(servers, **kw) if not isinstance(servers, Fleet) else servers
+        self._threads = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rlserve-async-fleet")
+
+    async def _in_thread(self, call: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._threads, lambda: call(*args, **kw))
 
     @property
     def servers(self) -> tuple[str, ...]:
@@ -692,16 +698,16 @@ class AsyncFleet:
         self.fleet.remove(server)
 
     async def init(self, *, require_same_weights: bool = True) -> None:
-        await asyncio.to_thread(self.fleet.init, require_same_weights=require_same_weights)
+        await self._in_thread(self.fleet.init, require_same_weights=require_same_weights)
 
     async def sync(self, weights: NamedTensors, version: str, **kw: Any) -> FleetSyncStats:
-        return await asyncio.to_thread(self.fleet.sync, weights, version, **kw)
+        return await self._in_thread(self.fleet.sync, weights, version, **kw)
 
     async def generate(self, prompt: Any, **kw: Any) -> Routed:
-        return await asyncio.to_thread(self.fleet.router.generate, prompt, **kw)
+        return await self._in_thread(self.fleet.router.generate, prompt, **kw)
 
     async def generate_many(self, prompts: Sequence[Any], **kw: Any) -> list[Routed | BaseException]:
-        return await asyncio.to_thread(self.fleet.router.generate_many, prompts, **kw)
+        return await self._in_thread(self.fleet.router.generate_many, prompts, **kw)
 
     async def stream(self, prompt: Any, **kw: Any) -> AsyncIterator[Routed]:
         """Each response as it arrives; leaving the loop early cancels the request."""
@@ -722,7 +728,7 @@ class AsyncFleet:
                 responses.close()  # cancels the call when it was left early
                 loop.call_soon_threadsafe(queue.put_nowait, _END)
 
-        pumping = asyncio.ensure_future(asyncio.to_thread(pump))
+        pumping = asyncio.ensure_future(self._in_thread(pump))
         try:
             while (item := await queue.get()) is not _END:
                 if isinstance(item, BaseException):
@@ -733,7 +739,9 @@ class AsyncFleet:
             await pumping
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.fleet.close)
+        if self._owned:
+            await self._in_thread(self.fleet.close)
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> AsyncFleet:
         return self

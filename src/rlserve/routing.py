@@ -94,6 +94,8 @@ class FleetRouter:
         self._lock = threading.Lock()
         self._watches: dict[str, _Watch] = {}
         self._outstanding: dict[str, int] = {}
+        # Requests sent to each server (retries included).
+        self._routed: dict[str, int] = {}
         # session_id -> server, oldest first; bounded (a new session evicts the oldest).
         self._sessions: dict[str, str] = {}
         self._max_sessions = max_sessions
@@ -101,6 +103,11 @@ class FleetRouter:
     def outstanding(self) -> dict[str, int]:
         with self._lock:
             return dict(self._outstanding)
+
+    def routed(self) -> dict[str, int]:
+        """How many requests went to each server so far (a retry counts where it went)."""
+        with self._lock:
+            return dict(self._routed)
 
     def server_of(self, session_id: str) -> str | None:
         with self._lock:
@@ -192,6 +199,7 @@ class FleetRouter:
                 if session_id is not None:
                     self._remember(session_id, chosen.target)
             self._outstanding[chosen.target] = self._outstanding.get(chosen.target, 0) + 1
+            self._routed[chosen.target] = self._routed.get(chosen.target, 0) + 1
             return chosen
 
     def _release(self, client: Client) -> None:

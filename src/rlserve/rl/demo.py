@@ -19,7 +19,13 @@ TOKEN_ENV = "RLSERVE_TOKEN"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--server", default="", help="HOST:PORT of a running rlserve (default: start one)")
+    p.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        help="HOST:PORT of a running rlserve (default: start one); several (repeated, or comma-separated): "
+        "a fleet, synced as one and its rollouts routed across it (each needs --weight-transfer-backend rlserve_gloo)",
+    )
     p.add_argument("--model", default="", help="HF model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--cache-dir", type=Path, default=None, help="where the default model is converted")
     p.add_argument("--dtype", default="float32", help="the started server's dtype (the trainer trains in float32)")
@@ -55,13 +61,14 @@ def run(args: argparse.Namespace) -> int:
     token = os.environ.get(TOKEN_ENV)
     credentials = ChannelCredentials(token=token) if token else None
     with contextlib.ExitStack() as stack:
-        target = args.server or stack.enter_context(
-            started_server(model_dir, args.dtype, args.backend, args.out / "server.log")
-        )
-        return _train(args, model_dir, target, credentials)
+        servers = [s.strip() for arg in args.server for s in arg.split(",") if s.strip()]
+        targets = servers or [
+            stack.enter_context(started_server(model_dir, args.dtype, args.backend, args.out / "server.log"))
+        ]
+        return _train(args, model_dir, targets, credentials)
 
 
-def _train(args: argparse.Namespace, model_dir: Path, target: str, credentials) -> int:
+def _train(args: argparse.Namespace, model_dir: Path, targets: list[str], credentials) -> int:
     import grpc
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -86,7 +93,7 @@ def _train(args: argparse.Namespace, model_dir: Path, target: str, credentials) 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     policy = Policy(model, AutoTokenizer.from_pretrained(model_dir), lr=config.lr, keep_versions=staleness)
     loop = GrpoLoop(
-        policy, Arithmetic(seed=args.seed, max_operand=args.max_operand), target, config, credentials=credentials
+        policy, Arithmetic(seed=args.seed, max_operand=args.max_operand), targets, config, credentials=credentials
     )
     progress, log = Progress(), StepLog(args.out / "steps.jsonl")
     stop = threading.Event()
@@ -99,7 +106,7 @@ def _train(args: argparse.Namespace, model_dir: Path, target: str, credentials) 
 
     previous = signal.signal(signal.SIGINT, interrupted)
     mode = f"async, max staleness {staleness}" if args.asynchronous else "synchronous"
-    progress.message(f"GRPO on {model_dir.name} via rlserve at {target} ({mode}); log: {log.path}")
+    progress.message(f"GRPO on {model_dir.name} via rlserve at {', '.join(targets)} ({mode}); log: {log.path}")
     status = 0
 
     def on_step(record) -> None:

@@ -15,17 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from rlserve.client import AsyncClient, ChannelCredentials, Client
+from rlserve.fleet import AsyncFleet, Fleet, FleetSyncStats
 from rlserve.rl.grpo import UNKNOWN, completion_logprobs, group_advantages, grpo_loss, staleness
 from rlserve.rl.rollout import Rollout, SamplingConfig, sample_batch
 from rlserve.rl.tasks import Problem, Task
@@ -146,18 +149,38 @@ class Agreement:
             self.diffs.extend(diff.tolist())
 
 
-SyncFn = Callable[[torch.nn.Module, str], SyncStats]
+SyncFn = Callable[[torch.nn.Module, str], SyncStats | FleetSyncStats]
+
+
+class FleetStreams:
+    """What the rollouts need of a client (`stream`, `close`), across a fleet: a prompt's
+    completions go to one server (session affinity on the prompt: its prefix cache)."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = AsyncFleet(fleet)
+
+    async def stream(self, request: Any, *, timeout_s: float | None = None) -> AsyncIterator[Any]:
+        prompt = request.text.encode() + request.token_ids.SerializeToString(deterministic=True)
+        session = hashlib.blake2b(prompt, digest_size=8).hexdigest()
+        async with contextlib.aclosing(self._fleet.stream(request, session_id=session, timeout_s=timeout_s)) as out:
+            async for routed in out:
+                yield routed.response
+
+    async def close(self) -> None:
+        await self._fleet.close()
 
 
 class GrpoLoop:
-    """GRPO against the rlserve server at `target`. `sync(model, version)` publishes the
-    trainer's weights; the default pushes them with the SDK (`WeightSync`, pause KEEP)."""
+    """GRPO against the rlserve server at `target`, or a fleet of them (several targets:
+    synced as one `Fleet`, rollouts routed across it). `sync(model, version)` publishes the
+    trainer's weights; the default pushes them with the SDK (`WeightSync` or `Fleet.sync`,
+    pause KEEP)."""
 
     def __init__(
         self,
         policy: Policy,
         task: Task,
-        target: str,
+        target: str | Sequence[str],
         config: GrpoConfig = GrpoConfig(),
         *,
         credentials: ChannelCredentials | None = None,
@@ -166,22 +189,39 @@ class GrpoLoop:
         if config.max_staleness < 0:
             raise ValueError("max_staleness must be >= 0")
         self.policy, self.task, self.config = policy, task, config
-        self._target, self._credentials = target, credentials
-        self._client = Client(target, credentials=credentials)
-        self._weight_sync = WeightSync(self._client)
+        self._targets = [target] if isinstance(target, str) else list(target)
+        if not self._targets:
+            raise ValueError("no server to train against")
+        self._credentials = credentials
+        self._clients = [Client(t, credentials=credentials) for t in self._targets]
+        if len(self._targets) == 1:
+            self._weight_sync: WeightSync | None = WeightSync(self._clients[0])
+            self.fleet: Fleet | None = None
+        else:
+            self._weight_sync, self.fleet = None, Fleet(self._clients)
         self._sync = sync or self._push
         self.records: list[StepRecord] = []
 
     def close(self) -> None:
-        self._weight_sync.close()
-        self._client.close()
+        if self._weight_sync is not None:
+            self._weight_sync.close()
+        if self.fleet is not None:
+            self.fleet.close()
+        for client in self._clients:
+            client.close()
 
-    def _push(self, model: torch.nn.Module, version: str) -> SyncStats:
+    def _push(self, model: torch.nn.Module, version: str) -> SyncStats | FleetSyncStats:
+        if self.fleet is not None:
+            return self.fleet.sync(model, version, pause_mode=PauseMode.KEEP)
+        assert self._weight_sync is not None
         return self._weight_sync.sync(model, version, pause_mode=PauseMode.KEEP)
 
-    def publish_initial(self) -> SyncStats:
-        """Make the server serve the trainer's weights as version 0 (checked by digest)."""
-        self._client.wait_ready()
+    def publish_initial(self) -> SyncStats | FleetSyncStats:
+        """Make every server serve the trainer's weights as version 0 (checked by digest)."""
+        for client in self._clients:
+            client.wait_ready()
+        if self.fleet is not None:
+            self.fleet.init(require_same_weights=False)  # the first sync sends every tensor
         return self._push(self.policy.model, str(self.policy.version))
 
     def run(
@@ -223,8 +263,10 @@ class GrpoLoop:
         (sync), or by a thread that samples ahead while the trainer trains (async)."""
         loop = asyncio.new_event_loop()
 
-        async def open_client() -> AsyncClient:  # a grpc.aio channel belongs to the loop it was made on
-            return AsyncClient(self._target, credentials=self._credentials)
+        async def open_client() -> AsyncClient | FleetStreams:  # a grpc.aio channel belongs to its loop
+            if self.fleet is not None:
+                return FleetStreams(self.fleet)
+            return AsyncClient(self._targets[0], credentials=self._credentials)
 
         client = loop.run_until_complete(open_client())
         batches = itertools.count()
