@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import cloudpickle
 import grpc
@@ -381,3 +385,78 @@ async def test_the_rl_loop_and_the_demo_drive_a_fleet_as_one(servers, tiny_model
     assert "2 steps" in output.decode() and ", ".join(s.target for s in servers) in output.decode()
     for s in servers:
         assert (await state(s)).weight_version == "2"
+
+
+def _completion(port: int, model: str, i: int) -> str:
+    """One completion through the router: its text, or the error it ended with."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        body = {"model": model, "prompt": [1, 2, 3, 4 + i % 5], "max_tokens": 24, "temperature": 0}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+        response = conn.getresponse()
+        data = response.read()
+        return (
+            json.loads(data)["choices"][0]["text"]
+            if response.status == 200
+            else f"HTTP {response.status}: {data[:200]!r}"
+        )
+    except (OSError, http.client.HTTPException) as e:
+        return f"error: {e}"
+    finally:
+        conn.close()
+
+
+async def test_requests_through_vllm_router_all_end_while_the_fleet_syncs(servers, tiny_model_dir, engine_config):
+    """vllm-router in front of both servers while `Fleet` syncs them: a paused server holds
+    what the router sends it (the router does not look at health; it round-robins over its
+    workers) and runs it at resume, so every request ends with a completion."""
+    router = Path(__file__).resolve().parent.parent / ".venv-router" / "bin" / "vllm-router"
+    assert router.exists(), "vllm-router is not installed: run `make install`"
+    port = free_port()
+    cmd = [str(router), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+           "--prometheus-port", str(free_port()), "--worker-urls", *(f"grpc://{s.target}" for s in servers)]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        # Polled from a thread: the router asks the servers, which this loop serves.
+        for _ in range(200):
+            if proc.poll() is not None or await asyncio.to_thread(_listed, port):
+                break
+            await asyncio.sleep(0.3)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert await asyncio.to_thread(_listed, port), "vllm-router did not start"
+        model = engine_config.model
+        with ThreadPoolExecutor(24) as pool, Fleet([s.target for s in servers], timeout_s=TIMEOUT_S) as fleet:
+            loop = asyncio.get_running_loop()
+            before = [loop.run_in_executor(pool, _completion, port, model, i) for i in range(12)]
+            await asyncio.sleep(0.2)
+            syncing = asyncio.ensure_future(asyncio.to_thread(fleet.sync, perturbed(tiny_model_dir, seed=21), "routed"))
+            during = [loop.run_in_executor(pool, _completion, port, model, i) for i in range(12)]
+            await syncing
+            # One server paused alone: what the router sends it waits there until resume.
+            await servers[1].control.PauseGeneration(cpb.PauseGenerationRequest(mode=cpb.PAUSE_MODE_KEEP))
+            held = [loop.run_in_executor(pool, _completion, port, model, i) for i in range(6)]
+            # Every request not done yet is held by the paused server, none is anywhere else.
+            for _ in range(300):
+                waiting = (await state(servers[1])).num_held_requests
+                if sum(f.done() for f in held) + waiting == 6:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail(f"{6 - waiting} requests neither done nor held by the paused server")
+            await servers[1].control.ResumeGeneration(cpb.ResumeGenerationRequest())
+            texts = await asyncio.gather(*before, *during, *held)
+        errors = [t for t in texts if t.startswith(("HTTP ", "error: "))]
+        assert len(texts) == 30 and not errors, errors[:3]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _listed(port: int) -> bool:
+    with contextlib.suppress(OSError, http.client.HTTPException):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        conn.request("GET", "/v1/models")
+        return conn.getresponse().status == 200
+    return False

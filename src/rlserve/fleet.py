@@ -227,9 +227,7 @@ class Fleet:
             members,
             lambda m: m.client.control.GetServerInfo.future(cpb.GetServerInfoRequest(), timeout=self._rpc_timeout_s),
         )
-        states = self._each(
-            members, lambda m: m.lifecycle.GetState.future(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
-        )
+        states = self._states(members)
         unfit = {**_rpc_errors(infos), **_rpc_errors(states)}
         if unfit:
             raise FleetError("servers that cannot be reached: " + "; ".join(f"{n}: {e}" for n, e in unfit.items()))
@@ -247,12 +245,7 @@ class Fleet:
             m.num_workers = info.parallelism.world_size * max(1, info.parallelism.data_parallel_size)
         dtypes = {m.name: states[m.name].weight_dtype for m in members}
         _require_same(dtypes, "serves weights in")
-        sums = self._each(
-            members,
-            lambda m: m.lifecycle.GetWeightChecksum.future(
-                lifecycle_pb2.GetWeightChecksumRequest(), timeout=self._rpc_timeout_s
-            ),
-        )
+        sums = self._checksums(members)
         unfit = _rpc_errors(sums)
         if unfit:
             raise FleetError(
@@ -424,12 +417,7 @@ class Fleet:
                 )
         if all(m.manifest <= names for m in members):
             return
-        sums = self._each(
-            members,
-            lambda m: m.lifecycle.GetWeightChecksum.future(
-                lifecycle_pb2.GetWeightChecksumRequest(), timeout=self._rpc_timeout_s
-            ),
-        )
+        sums = self._checksums(members)
         unreadable = _rpc_errors(sums)
         if unreadable:
             raise FleetError(
@@ -517,12 +505,7 @@ class Fleet:
         )
 
     def _wrong_digests(self, members: list[Member], mine: Mapping[str, str]) -> dict[str, str]:
-        sums = self._each(
-            members,
-            lambda m: m.lifecycle.GetWeightChecksum.future(
-                lifecycle_pb2.GetWeightChecksumRequest(), timeout=self._rpc_timeout_s
-            ),
-        )
+        sums = self._checksums(members)
         wrong: dict[str, str] = {}
         for name, served in sums.items():
             if isinstance(served, BaseException):
@@ -539,9 +522,7 @@ class Fleet:
         """Every member's state; a member that does not answer is dropped with a report.
         Raises FleetError when another error comes back, or no member is left."""
         members = list(self._members.values())
-        states = self._each(
-            members, lambda m: m.lifecycle.GetState.future(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
-        )
+        states = self._states(members)
         for name, state in list(states.items()):
             if isinstance(state, grpc.RpcError) and state.code() in GONE:
                 self._drop(name, f"unreachable when a sync began: {_describe(state)}")
@@ -565,6 +546,15 @@ class Fleet:
             except grpc.RpcError as e:
                 out[name] = e
         return out
+
+    def _states(self, members: list[Member]) -> dict[str, Any]:
+        return self._each(
+            members, lambda m: m.lifecycle.GetState.future(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
+        )
+
+    def _checksums(self, members: list[Member]) -> dict[str, Any]:
+        request = lifecycle_pb2.GetWeightChecksumRequest()
+        return self._each(members, lambda m: m.lifecycle.GetWeightChecksum.future(request, timeout=self._rpc_timeout_s))
 
     def _step(
         self, members: list[Member], step: str, call: Callable[[Member], grpc.Future], *, results: bool = False
