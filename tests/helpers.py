@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import shutil
 import socket
@@ -286,3 +287,11 @@ def chunk_of(pairs: list[tuple[str, torch.Tensor]], **override) -> dict:
         tuple(TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_checksum(t)) for n, t in pairs)
     )
     return {**info.to_json(), **override}
+
+
+def models_listed(port: int) -> bool:
+    with contextlib.suppress(OSError, http.client.HTTPException):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        conn.request("GET", "/v1/models")
+        return conn.getresponse().status == 200
+    return False

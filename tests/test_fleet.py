@@ -25,6 +25,8 @@ import psutil
 import pytest
 import pytest_asyncio
 import torch
+import worker_faults
+from worker_faults import fail_next_load
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
@@ -35,9 +37,9 @@ from rlserve.trainer import WeightSync
 from rlserve.transfer.protocol import tensor_checksum
 
 from conftest import insecure_serialization
-from helpers import checkpoint, free_port, greedy, perturbed, reference_outputs, serving
+from helpers import checkpoint, free_port, greedy, models_listed, perturbed, reference_outputs, serving
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(worker_faults)
 
 TIMEOUT_S = 10.0
 
@@ -92,6 +94,16 @@ async def served(s) -> dict[str, str]:
     return dict((await s.lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())).per_tensor)
 
 
+async def sync_alone(target: str, weights: dict, version: str) -> None:
+    """One server synced by itself (the single-server SDK): no longer like the others."""
+    with Client(target) as client:
+        sync = WeightSync(client, timeout_s=TIMEOUT_S)
+        try:
+            await asyncio.to_thread(sync.sync, weights, version)
+        finally:
+            sync.close()
+
+
 async def state(s) -> lpb.LifecycleState:
     return await s.lifecycle.GetState(lpb.GetStateRequest())
 
@@ -125,11 +137,7 @@ async def test_one_sync_serves_the_trainers_weights_on_every_server(servers, tin
 async def test_init_names_the_server_that_does_not_fit(servers, tiny_model_dir):
     a, b = servers
     # b alone gets other weights: no longer the fleet's.
-    sync = WeightSync(Client(b.target), timeout_s=TIMEOUT_S)
-    try:
-        await asyncio.to_thread(sync.sync, perturbed(tiny_model_dir, seed=12), "elsewhere")
-    finally:
-        sync.close()
+    await sync_alone(b.target, perturbed(tiny_model_dir, seed=12), "elsewhere")
     with Fleet([a.target, b.target], timeout_s=TIMEOUT_S) as fleet:
         with pytest.raises(FleetError, match=f"{b.target} serves other weights"):
             await asyncio.to_thread(fleet.init)
@@ -140,25 +148,10 @@ async def test_init_names_the_server_that_does_not_fit(servers, tiny_model_dir):
     assert (await state(a)).weight_version == "checkpoint"
 
 
-def _fail_next_load(worker) -> None:
-    """The next update's loading fails after 3 tensors, once (as an out-of-memory would)."""
-    cls = type(worker.model_runner.get_model())
-    load = cls.load_weights
-
-    def failing(self, weights):
-        cls.load_weights = load
-        for i, item in enumerate(weights):
-            if i == 3:
-                raise RuntimeError("simulated failure after 3 tensors")
-            load(self, iter([item]))
-
-    cls.load_weights = failing
-
-
 async def test_a_server_that_fails_before_the_vote_leaves_every_server_as_it_was(servers, engines, tiny_model_dir):
     before = [await served(s) for s in servers]
     with insecure_serialization():
-        await engines[1].llm.collective_rpc(_fail_next_load)
+        await engines[1].llm.collective_rpc(fail_next_load)
     with Fleet([s.target for s in servers], timeout_s=TIMEOUT_S) as fleet:
         with pytest.raises(FleetSyncError) as e:
             await asyncio.to_thread(fleet.sync, perturbed(tiny_model_dir, seed=13), "never")
@@ -217,11 +210,7 @@ async def test_a_server_gone_between_syncs_gets_no_request_and_is_dropped_at_the
 
 async def test_a_server_joins_with_a_full_sync_and_leaves(servers, tiny_model_dir):
     a, b = servers
-    sync = WeightSync(Client(b.target), timeout_s=TIMEOUT_S)
-    try:
-        await asyncio.to_thread(sync.sync, perturbed(tiny_model_dir, seed=16), "b-alone")
-    finally:
-        sync.close()
+    await sync_alone(b.target, perturbed(tiny_model_dir, seed=16), "b-alone")
     weights = perturbed(tiny_model_dir, seed=17)
     with Fleet([a.target], timeout_s=TIMEOUT_S) as fleet:
         await asyncio.to_thread(fleet.sync, weights, "one")
@@ -421,11 +410,11 @@ async def test_requests_through_vllm_router_all_end_while_the_fleet_syncs(server
     try:
         # Polled from a thread: the router asks the servers, which this loop serves.
         for _ in range(200):
-            if proc.poll() is not None or await asyncio.to_thread(_listed, port):
+            if proc.poll() is not None or await asyncio.to_thread(models_listed, port):
                 break
             await asyncio.sleep(0.3)
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        assert await asyncio.to_thread(_listed, port), "vllm-router did not start"
+        assert await asyncio.to_thread(models_listed, port), "vllm-router did not start"
         model = engine_config.model
         with ThreadPoolExecutor(24) as pool, Fleet([s.target for s in servers], timeout_s=TIMEOUT_S) as fleet:
             loop = asyncio.get_running_loop()
@@ -452,11 +441,3 @@ async def test_requests_through_vllm_router_all_end_while_the_fleet_syncs(server
     finally:
         proc.terminate()
         proc.wait(10)
-
-
-def _listed(port: int) -> bool:
-    with contextlib.suppress(OSError, http.client.HTTPException):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-        conn.request("GET", "/v1/models")
-        return conn.getresponse().status == 200
-    return False

@@ -38,8 +38,8 @@ def ip(*args: str) -> None:
 
 @pytest.fixture(scope="module")
 def namespace():
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 (ip netns)")
+    # A failure, not a skip: CI runs as root, and must run this.
+    assert os.geteuid() == 0 and shutil.which("ip"), "needs root and iproute2 (ip netns): CI runs as root"
     name = f"rlserve-{os.getpid()}"
     veth = f"rlv{os.getpid() % 100000}"
     ip("netns", "add", name)

@@ -18,6 +18,8 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
+import worker_faults
+from worker_faults import fail_next_load
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
@@ -39,8 +41,9 @@ from helpers import (
     serving,
 )
 
-# Functions sent to the worker travel by value: the worker cannot import this test module.
+# Functions sent to the worker travel by value: the worker cannot import the test modules.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(worker_faults)
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -88,6 +91,14 @@ async def update(s, weights: dict, version: str) -> None:
 
 async def served(s) -> lpb.WeightChecksum:
     return await s.lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())
+
+
+async def assert_unchanged_and_resume(s, version: str, before: lpb.WeightChecksum) -> None:
+    """Nothing of a failed update stayed: no session, the old version and digests; resumes."""
+    state = await s.lifecycle.GetState(lpb.GetStateRequest())
+    assert state.weights_consistent and state.weight_version == version and not state.HasField("update_session")
+    assert dict((await served(s)).per_tensor) == dict(before.per_tensor)
+    await s.control.ResumeGeneration(cpb.ResumeGenerationRequest())
 
 
 def digests_of(weights: dict) -> dict[str, str]:
@@ -159,22 +170,6 @@ async def test_vllms_weight_reset_shows_what_is_really_served(s, engine_, tiny_m
     assert list(digest.inconsistent_tensors) == ["model.embed_tokens.weight"]
 
 
-def _fail_next_load(worker) -> None:
-    """The next update's loading fails after 3 tensors (as an out-of-memory would), once. It
-    runs on the update's shadow of the model: patched on the class, which the shadow shares."""
-    cls = type(worker.model_runner.get_model())
-    load = cls.load_weights
-
-    def failing(self, weights):
-        cls.load_weights = load
-        for i, item in enumerate(weights):
-            if i == 3:
-                raise RuntimeError("simulated failure after 3 tensors")
-            load(self, iter([item]))
-
-    cls.load_weights = failing
-
-
 async def test_a_load_that_fails_half_way_changes_nothing_and_the_next_update_lands(
     s, engine_, tiny_model_dir, tmp_path, engine_config
 ):
@@ -185,7 +180,7 @@ async def test_a_load_that_fails_half_way_changes_nothing_and_the_next_update_la
     before = await served(s)
     version = (await s.lifecycle.GetState(lpb.GetStateRequest())).weight_version
     with insecure_serialization():
-        await engine_.llm.collective_rpc(_fail_next_load)
+        await engine_.llm.collective_rpc(fail_next_load)
     trainer = HandTrainer(s.target)
     try:
         await begin_update(s, trainer)
@@ -195,10 +190,7 @@ async def test_a_load_that_fails_half_way_changes_nothing_and_the_next_update_la
         assert e.value.code() == grpc.StatusCode.INTERNAL and "simulated failure" in e.value.details()
     finally:
         trainer.close()
-    state = await s.lifecycle.GetState(lpb.GetStateRequest())
-    assert state.weights_consistent and state.weight_version == version and not state.HasField("update_session")
-    assert dict((await served(s)).per_tensor) == dict(before.per_tensor)
-    await s.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+    await assert_unchanged_and_resume(s, version, before)
     # The transport is still in step with the trainer: the next complete update is taken.
     await update(s, weights, "recovered")
     state = await s.lifecycle.GetState(lpb.GetStateRequest())
@@ -271,10 +263,7 @@ async def test_a_prepare_that_fails_drops_the_update_and_changes_nothing(s, engi
         assert e.value.code() == grpc.StatusCode.INTERNAL and "simulated failure while preparing" in e.value.details()
     finally:
         trainer.close()
-    state = await s.lifecycle.GetState(lpb.GetStateRequest())
-    assert state.weights_consistent and state.weight_version == version and not state.HasField("update_session")
-    assert dict((await served(s)).per_tensor) == dict(before.per_tensor)
-    await s.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+    await assert_unchanged_and_resume(s, version, before)
     with pytest.raises(grpc.RpcError) as e:
         await s.lifecycle.PrepareWeightUpdate(lpb.PrepareWeightUpdateRequest())
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION

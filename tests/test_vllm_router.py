@@ -7,7 +7,6 @@ of its own (`make install` builds `.venv-router`)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import http.client
 import json
 import os
@@ -24,7 +23,7 @@ from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import inference_pb2 as pb
 from rlserve.config import ServeConfig
 
-from helpers import KEEP, free_port, pause, serving
+from helpers import KEEP, free_port, models_listed, pause, serving
 
 ROUTER = Path(__file__).resolve().parent.parent / ".venv-router" / "bin" / "vllm-router"
 START_S = 60.0
@@ -64,14 +63,6 @@ def post_stream(port: int, path: str, body: dict) -> list[dict]:
         return events
     finally:
         conn.close()
-
-
-def models_listed(port: int) -> bool:
-    with contextlib.suppress(OSError, http.client.HTTPException):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-        conn.request("GET", "/v1/models")
-        return conn.getresponse().status == 200
-    return False
 
 
 @pytest_asyncio.fixture(scope="module")

@@ -48,15 +48,13 @@ from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.client import ChannelCredentials, Client
 from rlserve.config import DEFAULT_TRANSFER_TIMEOUT_S
 from rlserve.routing import FleetRouter, Routed
-from rlserve.trainer import PAUSE_MODES, RPC_MARGIN_S, TensorSender, WeightSyncError
+from rlserve.trainer import PAUSE_MODES, RPC_MARGIN_S, TensorSender, WeightSyncError, step_timeout_s
 from rlserve.transfer.plan import DEFAULT_CHUNK_BYTES, NamedTensors, plan_sync
 from rlserve.transfer.protocol import BACKEND_NAME, DEFAULT_BUCKET_BYTES, ChunkInfo, combined_checksum
 from rlserve.types import PauseMode
 
 logger = logging.getLogger(__name__)
 
-# A chunk's deadline grows with its size, as the servers' do: one timeout per 256 MiB.
-BYTES_PER_TIMEOUT = 256 * 2**20
 # Codes that say the server is not there (or not answering): it is dropped, not waited for.
 GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 OK = "ok"
@@ -450,7 +448,7 @@ class Fleet:
         try:
             go = vote.result()
             if go:
-                sender.broadcast(chunk, tensors, _NoBar())
+                sender.broadcast(chunk, tensors)
         except RuntimeError:
             sender.forget()
             wait([_future(f) for f in rpcs.values()])
@@ -572,7 +570,7 @@ class Fleet:
         return {n: _describe(r) if isinstance(r, BaseException) else OK for n, r in self._each(members, call).items()}
 
     def _step_timeout_s(self, num_bytes: int) -> float:
-        return self._timeout_s * (1 + num_bytes // BYTES_PER_TIMEOUT) + RPC_MARGIN_S
+        return step_timeout_s(self._timeout_s, num_bytes)
 
     # Rollouts ----------------------------------------------------------------------------
 
@@ -652,11 +650,6 @@ def _check_votes(prepared: Mapping[str, Any], num_chunks: int, num_tensors: int)
     }
     if wrong:
         raise _Failed("prepare", wrong)
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
 
 
 class AsyncFleet:

@@ -145,14 +145,15 @@ class TensorSender:
         try:
             if not self.vote(True):
                 return False
-            self.broadcast(chunk, tensors, bar or _NoBar())
+            self.broadcast(chunk, tensors, bar)
             return True
         except RuntimeError:
             self.forget()
             raise
 
-    def broadcast(self, chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor], bar: Any) -> None:
+    def broadcast(self, chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor], bar: Any = None) -> None:
         group = self._group_or_raise()
+        bar = bar or _NoBar()
         buckets = plan_buckets(chunk.tensors, chunk.bucket_bytes)
         # Two buffers: fill the next bucket while the previous one is on the wire.
         spare = [torch.empty(chunk.bucket_bytes, dtype=torch.uint8) for _ in range(2)]
@@ -444,7 +445,7 @@ class WeightSync:
         return {n: _patch.changed(t, last[n]) for n, t in dense.items() if n in last and last[n].shape == t.shape}
 
     def _step_timeout_s(self, num_bytes: int) -> float:
-        return self._timeout_s * (1 + num_bytes // BYTES_PER_TIMEOUT) + RPC_MARGIN_S
+        return step_timeout_s(self._timeout_s, num_bytes)
 
     def _send_chunk(self, chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor], bar: Any) -> None:
         sender = self._sender
@@ -508,6 +509,11 @@ class WeightSync:
                 f"the server serves different weights for {wrong[:5]} after the sync", resumed_on_old_weights=False
             )
         return served.overall
+
+
+def step_timeout_s(timeout_s: float, num_bytes: int) -> float:
+    """The deadline of an RPC that moves `num_bytes`: the server's own, and our margin."""
+    return timeout_s * (1 + num_bytes // BYTES_PER_TIMEOUT) + RPC_MARGIN_S
 
 
 def _first_failure_wins(rpc: Future, join: Future) -> None:

@@ -1,0 +1,21 @@
+"""Faults sent into an engine's workers (vLLM's `collective_rpc` with a pickled callable,
+from an engine started under `insecure_serialization()`): edges a well-behaved engine never
+reaches by itself. The test modules register this module to be pickled by value."""
+
+from __future__ import annotations
+
+
+def fail_next_load(worker) -> None:
+    """The next update's loading fails after 3 tensors (as an out-of-memory would), once. It
+    runs on the update's shadow of the model: patched on the class, which the shadow shares."""
+    cls = type(worker.model_runner.get_model())
+    load = cls.load_weights
+
+    def failing(self, weights):
+        cls.load_weights = load
+        for i, item in enumerate(weights):
+            if i == 3:
+                raise RuntimeError("simulated failure after 3 tensors")
+            load(self, iter([item]))
+
+    cls.load_weights = failing
