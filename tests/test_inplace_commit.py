@@ -8,9 +8,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import cloudpickle
 import grpc
 import pytest
 import pytest_asyncio
+import worker_faults
+from worker_faults import fail_next_load
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
@@ -31,7 +34,9 @@ from helpers import (
     reference_outputs,
     serving,
 )
-from test_served_weights import _fail_next_load
+
+# Sent to the worker by value: the worker cannot import the test modules.
+cloudpickle.register_pickle_by_value(worker_faults)
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -116,7 +121,7 @@ async def test_an_aborted_in_place_update_leaves_the_weights_inconsistent(s, tin
 async def test_an_in_place_load_that_fails_half_way_is_reported_and_recovered(s, in_place_engine, tiny_model_dir):
     weights = perturbed(tiny_model_dir, seed=53)
     with insecure_serialization():
-        await in_place_engine.llm.collective_rpc(_fail_next_load)
+        await in_place_engine.llm.collective_rpc(fail_next_load)
     trainer = HandTrainer(s.target)
     try:
         await begin_update(s, trainer)
