@@ -109,3 +109,51 @@ async def test_sigterm_ends_held_requests_aborted_before_the_grace_runs_out(tiny
         assert not left_behind(engine)
         with pytest.raises(grpc.aio.AioRpcError):
             await control.ResumeGeneration(cpb.ResumeGenerationRequest(), timeout=2)
+
+
+async def test_a_server_killed_outright_leaves_no_engine_behind(tiny_model_dir):
+    """SIGKILL to the server alone (an OOM kill, `kill -9`): nothing can run in it, so its
+    engine core notices it is gone (rlserve's vLLM plugin) and shuts down with its workers."""
+    async with rlserve_process(tiny_model_dir, grace_s=5) as (proc, _):
+        engine = engine_processes(proc)
+        assert any("EngineCor" in p.name() for p in engine)
+        proc.kill()
+        assert await exited(proc, 10) == -signal.SIGKILL
+        _, alive = await asyncio.to_thread(psutil.wait_procs, engine, 30)
+        assert not alive, [p.name() for p in alive]
+
+
+LAUNCHER = """
+import sys, time
+from pathlib import Path
+from rlserve.launch import ServerProcess
+server = ServerProcess(sys.argv[2:], log_path=Path(sys.argv[1]))
+print(server.pid, flush=True)
+server.wait_serving(180)
+print("serving", flush=True)
+time.sleep(3600)
+"""
+
+
+async def test_a_launched_server_shuts_down_when_its_launcher_dies(tiny_model_dir, tmp_path):
+    """`rlserve.launch.ServerProcess` (what the demo and each Ray actor run) starts the server
+    with --exit-with-parent: when the launcher is SIGKILLed, the server shuts down gracefully
+    on its own and its engine with it."""
+    log = tmp_path / "server.log"
+    args = ["--model", str(tiny_model_dir), "--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]
+    launcher = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", LAUNCHER, str(log), *args, "--kv-cache-gib", "0.25", stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        server = psutil.Process(int(await asyncio.wait_for(launcher.stdout.readline(), 30)))
+        assert await asyncio.wait_for(launcher.stdout.readline(), START_S) == b"serving\n", log.read_text()[-3000:]
+        tree = [server, *server.children(recursive=True)]
+        launcher.kill()
+        await launcher.wait()
+        _, alive = await asyncio.to_thread(psutil.wait_procs, tree, 30)
+        assert not alive, [p.name() for p in alive]
+        text = log.read_text()
+        assert "exited: shutting down" in text and "shutting down: draining" in text, text[-3000:]
+    finally:
+        if launcher.returncode is None:
+            launcher.kill()

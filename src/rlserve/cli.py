@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="converted models live here")
     s.add_argument("--shutdown-grace-s", type=float, default=_default(_SERVE, "shutdown_grace_s"))
     s.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="shut down when the process that started this one exits (for launchers)",
+    )
+    s.add_argument(
         "--max-held-requests",
         type=int,
         default=_default(_SERVE, "max_held_requests"),
@@ -197,6 +202,7 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         update_lease_s=args.update_lease_s,
         control_address=args.control_address,
         metrics_port=args.metrics_port,
+        exit_with_parent=args.exit_with_parent,
         security=security_config(args, dict(os.environ) if environ is None else environ),
     )
 

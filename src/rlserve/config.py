@@ -186,6 +186,9 @@ class ServeConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     # Prometheus `/metrics` over HTTP on `host` (None: not served; 0: any free port).
     metrics_port: int | None = None
+    # Shut down (gracefully, as on SIGTERM) when the process that started the server exits:
+    # a server started by a launcher (a Ray actor) does not outlive it.
+    exit_with_parent: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

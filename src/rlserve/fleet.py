@@ -165,13 +165,17 @@ class Fleet:
         self._group_of: tuple[str, ...] = ()
         # A collective abandoned after a refusal ends only at its own deadline: room for it.
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlserve-fleet")
-        self.router = FleetRouter(lambda: [m.client for m in self._members.values()])
+        self.router = FleetRouter(lambda: self.clients)
 
     # Membership --------------------------------------------------------------------------
 
     @property
     def servers(self) -> tuple[str, ...]:
         return tuple(self._members)
+
+    @property
+    def clients(self) -> list[Client]:
+        return [m.client for m in self._members.values()]
 
     def add(self, server: str | Client) -> str:
         """A server that joins at the next sync (a new rendezvous with every member; that

@@ -8,11 +8,8 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 TOKEN_ENV = "RLSERVE_TOKEN"
@@ -26,6 +23,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="HOST:PORT of a running rlserve (default: start one); several (repeated, or comma-separated): "
         "a fleet, synced as one and its rollouts routed across it (each needs --weight-transfer-backend rlserve_gloo)",
     )
+    p.add_argument(
+        "--num-servers",
+        type=int,
+        default=0,
+        help="start this many servers as Ray actors (needs rlserve[ray]; RAY_ADDRESS names a cluster, else a local "
+        "one starts) and drive them as one fleet",
+    )
+    p.add_argument("--server-cpus", type=float, default=1, help="CPUs each Ray server holds")
+    p.add_argument("--server-gpus", type=float, default=0, help="GPUs each Ray server holds")
     p.add_argument("--model", default="", help="HF model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--cache-dir", type=Path, default=None, help="where the default model is converted")
     p.add_argument("--dtype", default="float32", help="the started server's dtype (the trainer trains in float32)")
@@ -62,13 +68,31 @@ def run(args: argparse.Namespace) -> int:
     credentials = ChannelCredentials(token=token) if token else None
     with contextlib.ExitStack() as stack:
         servers = [s.strip() for arg in args.server for s in arg.split(",") if s.strip()]
+        if args.num_servers:
+            return _train(args, model_dir, stack.enter_context(_ray_fleet(args, model_dir)), None)
         targets = servers or [
             stack.enter_context(started_server(model_dir, args.dtype, args.backend, args.out / "server.log"))
         ]
         return _train(args, model_dir, targets, credentials)
 
 
-def _train(args: argparse.Namespace, model_dir: Path, targets: list[str], credentials) -> int:
+def _ray_fleet(args: argparse.Namespace, model_dir: Path):
+    from rlserve.ray import launch_fleet
+
+    print(f"starting {args.num_servers} rlserve servers on Ray (logs: {args.out / 'servers'}) ...", flush=True)
+    return launch_fleet(
+        args.num_servers,
+        model_dir,
+        serve_args=("--dtype", args.dtype, "--max-model-len", "1024"),
+        num_cpus=args.server_cpus,
+        num_gpus=args.server_gpus,
+        log_dir=args.out / "servers",
+        init=False,  # the loop's first sync sends every tensor
+    )
+
+
+def _train(args: argparse.Namespace, model_dir: Path, targets, credentials) -> int:
+    """`targets`: the servers' addresses, or a Fleet."""
     import grpc
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -106,7 +130,8 @@ def _train(args: argparse.Namespace, model_dir: Path, targets: list[str], creden
 
     previous = signal.signal(signal.SIGINT, interrupted)
     mode = f"async, max staleness {staleness}" if args.asynchronous else "synchronous"
-    progress.message(f"GRPO on {model_dir.name} via rlserve at {', '.join(targets)} ({mode}); log: {log.path}")
+    servers = ", ".join(loop.fleet.servers if loop.fleet is not None else targets)
+    progress.message(f"GRPO on {model_dir.name} via rlserve at {servers} ({mode}); log: {log.path}")
     status = 0
 
     def on_step(record) -> None:
@@ -142,6 +167,8 @@ def _misfit(args: argparse.Namespace) -> str:
     for flag in ("steps", "prompts_per_step", "max_new_tokens", "max_operand"):
         if getattr(args, flag) < 1:
             return f"--{flag.replace('_', '-')} must be at least 1"
+    if args.num_servers < 0 or (args.num_servers and args.server):
+        return "--num-servers must be positive, and cannot be given with --server"
     if args.minutes < 0 or (args.max_staleness is not None and args.max_staleness < 0):
         return "--minutes and --max-staleness cannot be negative"
     return ""
@@ -164,48 +191,15 @@ def _summary(records) -> str:
 
 @contextlib.contextmanager
 def started_server(model_dir: Path, dtype: str, backend: str, log_path: Path):
-    """`rlserve serve` with weight-transfer `backend` on a free loopback port, in a process
-    group of its own (a Ctrl-C meant for the demo does not reach it); stopped on exit."""
-    port = _free_port()
-    command = [
-        sys.executable, "-m", "rlserve", "serve", "--model", str(model_dir), "--port", str(port),
-        "--dtype", dtype, "--weight-transfer-backend", backend, "--max-model-len", "1024",
-    ]  # fmt: skip
-    with log_path.open("w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, process_group=0)
-    target = f"127.0.0.1:{port}"
+    """`rlserve serve` with weight-transfer `backend` on a free loopback port; stopped on exit."""
+    from rlserve.launch import ServerProcess
+
+    server = ServerProcess(
+        ["--model", str(model_dir), "--dtype", dtype, "--weight-transfer-backend", backend, "--max-model-len", "1024"],
+        log_path=log_path,
+    )
     try:
-        _wait_serving(target, server, log_path)
-        yield target
+        print(f"starting rlserve on {server.target} (log: {log_path}) ...", flush=True)
+        yield server.wait_serving()
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
-def _wait_serving(target: str, server: subprocess.Popen, log_path: Path, timeout_s: float = 600.0) -> None:
-    import grpc
-
-    from rlserve.client import Client
-
-    print(f"starting rlserve on {target} (log: {log_path}) ...", flush=True)
-    deadline = time.monotonic() + timeout_s
-    with Client(target) as client:
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the server exited with {server.returncode}; see {log_path}")
-            try:
-                client.wait_ready(timeout_s=5.0)
-                return
-            except grpc.RpcError:
-                if time.monotonic() > deadline:
-                    raise
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        server.stop()

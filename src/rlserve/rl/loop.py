@@ -172,15 +172,15 @@ class FleetStreams:
 
 class GrpoLoop:
     """GRPO against the rlserve server at `target`, or a fleet of them (several targets:
-    synced as one `Fleet`, rollouts routed across it). `sync(model, version)` publishes the
-    trainer's weights; the default pushes them with the SDK (`WeightSync` or `Fleet.sync`,
-    pause KEEP)."""
+    synced as one `Fleet`, rollouts routed across it; or a `Fleet` of any size, which the
+    loop uses and leaves open). `sync(model, version)` publishes the trainer's weights; the
+    default pushes them with the SDK (`WeightSync` or `Fleet.sync`, pause KEEP)."""
 
     def __init__(
         self,
         policy: Policy,
         task: Task,
-        target: str | Sequence[str],
+        target: str | Sequence[str] | Fleet,
         config: GrpoConfig = GrpoConfig(),
         *,
         credentials: ChannelCredentials | None = None,
@@ -189,26 +189,31 @@ class GrpoLoop:
         if config.max_staleness < 0:
             raise ValueError("max_staleness must be >= 0")
         self.policy, self.task, self.config = policy, task, config
-        self._targets = [target] if isinstance(target, str) else list(target)
+        self._credentials = credentials
+        self._weight_sync: WeightSync | None = None
+        self.fleet: Fleet | None = None
+        self._owned: list[Client | Fleet] = []
+        if isinstance(target, Fleet):
+            self._targets, self._clients, self.fleet = list(target.servers), target.clients, target
+        else:
+            self._targets = [target] if isinstance(target, str) else list(target)
+            self._clients = [Client(t, credentials=credentials) for t in self._targets]
+            self._owned += self._clients
+            if len(self._targets) > 1:
+                self.fleet = Fleet(self._clients)
+                self._owned.append(self.fleet)
         if not self._targets:
             raise ValueError("no server to train against")
-        self._credentials = credentials
-        self._clients = [Client(t, credentials=credentials) for t in self._targets]
-        if len(self._targets) == 1:
-            self._weight_sync: WeightSync | None = WeightSync(self._clients[0])
-            self.fleet: Fleet | None = None
-        else:
-            self._weight_sync, self.fleet = None, Fleet(self._clients)
+        if self.fleet is None:
+            self._weight_sync = WeightSync(self._clients[0])
         self._sync = sync or self._push
         self.records: list[StepRecord] = []
 
     def close(self) -> None:
         if self._weight_sync is not None:
             self._weight_sync.close()
-        if self.fleet is not None:
-            self.fleet.close()
-        for client in self._clients:
-            client.close()
+        for owned in reversed(self._owned):
+            owned.close()
 
     def _push(self, model: torch.nn.Module, version: str) -> SyncStats | FleetSyncStats:
         if self.fleet is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -197,8 +198,8 @@ def _inference_serving(state: LifecycleState) -> bool:
 
 
 async def serve(config: ServeConfig) -> None:
-    """Run until SIGINT, SIGTERM or Control/Shutdown, then shut down gracefully; SIGHUP
-    re-reads the tokens."""
+    """Run until SIGINT, SIGTERM or Control/Shutdown (or, with `exit_with_parent`, the exit of
+    the process that started it), then shut down gracefully; SIGHUP re-reads the tokens."""
     server = RlserveServer(config)
     await server.start()
     stop = server.shutdown_requested
@@ -206,6 +207,7 @@ async def serve(config: ServeConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, server.reload_credentials)
+    orphan_watch = asyncio.create_task(_set_when_orphaned(stop)) if config.exit_with_parent else None
     engine_task = asyncio.create_task(server.start_engine())
     stop_task = asyncio.create_task(stop.wait())
     try:
@@ -218,5 +220,17 @@ async def serve(config: ServeConfig) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await engine_task
     finally:
+        if orphan_watch is not None:
+            orphan_watch.cancel()
         logger.info("shutting down: draining in-flight requests for up to %.1f s", config.shutdown_grace_s)
         await server.stop()
+
+
+async def _set_when_orphaned(stop: asyncio.Event, every_s: float = 0.5) -> None:
+    """Set `stop` once the process that started this one has exited (this process is then
+    re-parented, so its parent id changes)."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(every_s)
+    logger.warning("the process that started this server (pid %d) exited: shutting down", parent)
+    stop.set()

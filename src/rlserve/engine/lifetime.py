@@ -1,0 +1,47 @@
+"""vLLM general plugin (entry point `vllm.general_plugins`): a vLLM process that
+multiprocessing started (the engine core, its workers) ends when the process that started it
+ends, however that one ended.
+
+vLLM's workers watch their engine core (a pipe), but the engine core does not watch the
+frontend: a frontend killed with SIGKILL (an OOM kill, a Ray actor torn down, `kill -9`)
+leaves the engine core and its workers running, holding the model's memory and cores, with
+nothing left to talk to. Here each such process polls its parent id (it changes when the
+parent is gone and the process is re-parented); once it changes, the process is sent
+SIGTERM, which vLLM handles as a shutdown (its workers follow through their pipe), and
+SIGKILL if it is still there `GRACE_S` later.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.5
+GRACE_S = 10.0
+_started = threading.Event()
+
+
+def register() -> None:
+    # The frontend (a process nothing spawned) keeps its own lifetime: `rlserve serve`
+    # has --exit-with-parent for launchers that want it.
+    if multiprocessing.parent_process() is None or _started.is_set():
+        return
+    _started.set()
+    threading.Thread(
+        target=_exit_with_parent, args=(os.getppid(),), name="rlserve-exit-with-parent", daemon=True
+    ).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(POLL_S)
+    logger.warning("process %d that started this one (%d) is gone: shutting down", parent, os.getpid())
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(GRACE_S)
+    os.kill(os.getpid(), signal.SIGKILL)

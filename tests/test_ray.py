@@ -1,0 +1,144 @@
+"""`rlserve.ray.launch_fleet` on a real local Ray instance (started by this module, two CPUs):
+servers as Ray actors, each an `rlserve serve` on the node's address with a token of its
+own; the fleet syncs and routes across them; and nothing outlives the fleet, its close or
+its driver's death (the engine core and workers included)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import psutil
+import pytest
+import ray  # rlserve[ray]: `make install` installs it
+
+from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
+from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
+from rlserve.client import Client, generate_request
+from rlserve.fleet import FleetError
+from rlserve.transfer.protocol import tensor_checksum
+
+from helpers import perturbed
+
+SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", "0.25")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray instance with two CPUs; its address lets another driver join it."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 << 20)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def wait_gone(processes: list[psutil.Process], timeout_s: float) -> list[str]:
+    """The processes still running after `timeout_s` (name and pid), if any."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    return [f"{p.pid} {p.name()}" for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_launch_fleet_starts_servers_as_actors_syncs_them_and_stops_them(ray_cluster, tiny_model_dir):
+    from rlserve.ray import launch_fleet
+
+    fleet = launch_fleet(2, tiny_model_dir, serve_args=SERVE_ARGS, ready_timeout_s=300, timeout_s=60)
+    with fleet:
+        node = ray.util.get_node_ip_address()
+        assert len(fleet.servers) == 2 and all(s.startswith(f"{node}:") for s in fleet.servers)
+        trees = [process_tree(ray.get(actor.pid.remote())) for actor in fleet.actors.values()]
+        assert all(any("VLLM::Worker" in p.name() for p in tree) for tree in trees), "no engine under a server"
+        # Off loopback the control plane wants the fleet's token; without it: refused.
+        with Client(fleet.servers[0]) as anonymous, pytest.raises(grpc.RpcError) as refused:
+            anonymous.server_info()
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        weights = perturbed(tiny_model_dir, seed=31)
+        stats = fleet.sync(weights, "ray-1")
+        assert set(stats.servers) == set(fleet.servers)
+        mine = {n: tensor_checksum(t) for n, t in weights.items()}
+        for client in fleet.clients:
+            lifecycle = lifecycle_pb2_grpc.LifecycleStub(client.channel)
+            state = lifecycle.GetState(lpb.GetStateRequest())
+            assert state.weight_version == "ray-1" and state.pause_phase == lpb.PAUSE_PHASE_RUNNING
+            assert dict(lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest()).per_tensor) == mine
+
+        prompts = [
+            generate_request(f"Count to {i}", max_new_tokens=6, ignore_eos=True, temperature=0.0) for i in range(8)
+        ]
+        results = fleet.generate_many(prompts)
+        assert all(not isinstance(r, BaseException) for r in results), results
+        assert {r.server for r in results} == set(fleet.servers)
+        assert all([s.weight_version for s in r.response.outputs.weight_version_spans] == ["ray-1"] for r in results)
+        # The same weights on both: the same greedy tokens wherever a prompt ran.
+        a, b = (c.generate(prompts[0]).outputs.token_ids for c in fleet.clients)
+        assert list(a) == list(b)
+        actors = list(fleet.actors.values())
+    assert wait_gone([p for tree in trees for p in tree], timeout_s=30) == []
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.target.remote(), timeout=30)
+
+
+def test_a_server_that_cannot_start_is_named_and_nothing_is_left(ray_cluster, tiny_model_dir):
+    from rlserve.ray import launch_fleet
+
+    with pytest.raises(FleetError, match=r"(?s)server \d of 2 did not start: .*exited with 2.*--no-such-flag"):
+        launch_fleet(2, tiny_model_dir, serve_args=("--no-such-flag",), ready_timeout_s=60)
+    # Resources the cluster does not have: bounded, and said so.
+    started = time.monotonic()
+    with pytest.raises(FleetError, match="(?s)not serving after 2 s.*resources"):
+        launch_fleet(1, tiny_model_dir, serve_args=SERVE_ARGS, num_gpus=1, ready_timeout_s=2)
+    assert time.monotonic() - started < 30
+    assert _servers_running() == []
+
+
+def test_the_servers_end_with_their_driver_however_it_ends(ray_cluster, tiny_model_dir, tmp_path):
+    """`rlserve demo --num-servers 1` as a driver of this Ray instance: it trains through a
+    server it launched on Ray; SIGKILLed, its job ends, Ray kills the actor (and the
+    `rlserve serve` under it), and the engine core and its workers follow."""
+    out = tmp_path / "demo"
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "rlserve", "demo", "--num-servers", "1", "--model", str(tiny_model_dir),
+         "--steps", "1000", "--minutes", "0", "--prompts-per-step", "2", "--group-size", "2",
+         "--max-new-tokens", "4", "--out", str(out)],
+        env={**os.environ, "RAY_ADDRESS": ray_cluster},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        output = ""
+        while (found := re.search(r"via rlserve at (\S+):(\d+) ", output)) is None:
+            line = demo.stdout.readline()
+            assert line, f"the demo ended: {output[-3000:]}"
+            output += line
+        deadline = time.monotonic() + 120
+        while not (out / "steps.jsonl").exists() or not (out / "steps.jsonl").read_text().strip():
+            assert demo.poll() is None and time.monotonic() < deadline, "no step was trained"
+            time.sleep(0.5)
+        (server,) = [p for p in _servers_running() if f"--port {found[2]} " in " ".join(p.cmdline()) + " "]
+        tree = process_tree(server.pid)
+        assert any("EngineCor" in p.name() for p in tree)
+    finally:
+        demo.send_signal(signal.SIGKILL)
+        demo.wait()
+    assert wait_gone(tree, timeout_s=60) == []
+
+
+def _servers_running() -> list[psutil.Process]:
+    """`rlserve serve` processes a launcher started (they run with --exit-with-parent)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmdline = p.info["cmdline"] or []
+        if "serve" in cmdline and "--exit-with-parent" in cmdline:
+            found.append(p)
+    return found
