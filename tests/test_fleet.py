@@ -30,14 +30,25 @@ from worker_faults import fail_next_load
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.client import Client
+from rlserve.api.vllm import inference_pb2 as pb
+from rlserve.client import Client, generate_request
 from rlserve.config import ServeConfig
 from rlserve.fleet import AsyncFleet, Fleet, FleetError, FleetSyncError
 from rlserve.trainer import WeightSync
 from rlserve.transfer.protocol import tensor_checksum
 
 from conftest import insecure_serialization
-from helpers import checkpoint, free_port, greedy, models_listed, perturbed, reference_outputs, serving
+from helpers import (
+    checkpoint,
+    free_port,
+    greedy,
+    models_listed,
+    perturbed,
+    reference_outputs,
+    save_weights,
+    serving,
+    wait_for_state,
+)
 
 cloudpickle.register_pickle_by_value(worker_faults)
 
@@ -332,6 +343,51 @@ async def test_a_server_killed_at_its_commit_is_dropped_and_the_others_serve_the
             await asyncio.to_thread(fleet.sync, checkpoint(tiny_model_dir), "checkpoint")
             routed = await asyncio.to_thread(fleet.generate_many, ["Hi"] * 8, max_new_tokens=2)
             assert {r.server for r in routed} <= {a.target, b.target}
+
+
+# A trainer that dies the moment every server has voted (a real SIGKILL; a test double only
+# chooses its moment): after the vote, before any FinishWeightUpdate.
+TRAINER_KILLED_AFTER_THE_VOTE = """
+import os, signal, sys
+from safetensors.torch import load_file
+import rlserve.fleet as fleet
+
+count_votes = fleet._check_votes
+def and_die(*args):
+    count_votes(*args)
+    print("voted", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+fleet._check_votes = and_die
+fleet.Fleet(sys.argv[2:], timeout_s=float(os.environ["TIMEOUT_S"])).sync(load_file(sys.argv[1]), "never")
+"""
+
+
+async def test_a_trainer_killed_after_the_vote_leaves_every_server_as_it_was(servers, tiny_model_dir, tmp_path):
+    """Every server holds a prepared update and is paused; nothing will finish it. Each
+    server's session lease ends it: the prepared weights are dropped, every server serves
+    the old weights and version again, a request held meanwhile completes, and a new trainer
+    syncs the same servers at once."""
+    weights = save_weights(perturbed(tiny_model_dir, seed=23), tmp_path / "w.safetensors")
+    trainer = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", TRAINER_KILLED_AFTER_THE_VOTE, str(weights), *(s.target for s in servers),
+        env={**os.environ, "TIMEOUT_S": str(TIMEOUT_S)}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(trainer.communicate(), 120)
+    assert trainer.returncode == -signal.SIGKILL and out == b"voted\n", err.decode()[-3000:]
+    for s in servers:
+        st = await state(s)
+        assert st.pause_phase != lpb.PAUSE_PHASE_RUNNING and st.update_session.prepared
+    held = asyncio.ensure_future(servers[0].inference.Generate(generate_request("held", max_new_tokens=4)))
+    mine = digests_of(checkpoint(tiny_model_dir))
+    for s in servers:
+        st = await wait_for_state(s.lifecycle, lambda st: st.pause_phase == lpb.PAUSE_PHASE_RUNNING, TIMEOUT_S + 10)
+        assert st.weight_version == "checkpoint" and st.weights_consistent and not st.HasField("update_session")
+        assert await served(s) == mine
+    assert (await asyncio.wait_for(held, 30)).outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH
+    with Fleet([s.target for s in servers], timeout_s=TIMEOUT_S) as fleet:
+        await asyncio.to_thread(fleet.sync, perturbed(tiny_model_dir, seed=23), "after")
+    for s in servers:
+        assert (await state(s)).weight_version == "after"
 
 
 async def test_the_rl_loop_and_the_demo_drive_a_fleet_as_one(servers, tiny_model_dir, tmp_path):

@@ -73,7 +73,9 @@ class RayFleet(Fleet):
 
     def remove(self, server: str) -> None:
         super().remove(server)
-        _stop([self.actors.pop(server)])
+        actor = self.actors.pop(server, None)  # None: a server added by address, not launched here
+        if actor is not None:
+            _stop([actor])
 
     def close(self) -> None:
         if self._closed:
