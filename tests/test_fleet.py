@@ -350,14 +350,14 @@ async def test_a_server_killed_at_its_commit_is_dropped_and_the_others_serve_the
 TRAINER_KILLED_AFTER_THE_VOTE = """
 import os, signal, sys
 from safetensors.torch import load_file
-import rlserve.fleet as fleet
+import rlserve.fleet.fleet as fleet
 
-count_votes = fleet._check_votes
+count_votes = fleet.check_votes
 def and_die(*args):
     count_votes(*args)
     print("voted", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
-fleet._check_votes = and_die
+fleet.check_votes = and_die
 fleet.Fleet(sys.argv[2:], timeout_s=float(os.environ["TIMEOUT_S"])).sync(load_file(sys.argv[1]), "never")
 """
 

@@ -98,7 +98,7 @@ async def test_a_fleet_syncs_servers_in_another_network_namespace(servers, tiny_
     with Fleet(servers, credentials=admin(), master_address=TRAINER_IP, master_port=port, timeout_s=TIMEOUT_S) as fleet:
         await asyncio.to_thread(fleet.init)
         # The rendezvous is where it was asked to be: the trainer's address on the veth, that port.
-        assert fleet._sender is not None and fleet._sender.init_info()["master_port"] == port
+        assert fleet.master == (TRAINER_IP, port)
         stats = await asyncio.to_thread(fleet.sync, weights, "across")
         assert stats.servers == tuple(servers)
         routed = await asyncio.to_thread(fleet.generate_many, ["Hi"] * 6, max_new_tokens=2)

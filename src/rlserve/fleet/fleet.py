@@ -1,0 +1,406 @@
+"""`Fleet`: several rlserve servers synced as one (the package docstring says how), their
+membership, and rollouts routed across them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import grpc
+import torch
+
+from rlserve.api.rlserve.v1 import lifecycle_pb2
+from rlserve.api.vllm import control_pb2 as cpb
+from rlserve.client import ChannelCredentials, Client
+from rlserve.config import DEFAULT_TRANSFER_TIMEOUT_S
+from rlserve.fleet.group import FleetGroup
+from rlserve.fleet.members import (
+    COMMITTED,
+    GONE,
+    OK,
+    Dropped,
+    Failed,
+    FleetError,
+    FleetSyncError,
+    FleetSyncStats,
+    Member,
+    check_votes,
+    describe,
+    each,
+    each_outcome,
+    is_gone,
+    names_digest,
+    require_same,
+    rpc_errors,
+    step,
+)
+from rlserve.routing import FleetRouter
+from rlserve.trainer import PAUSE_MODES, step_timeout_s
+from rlserve.transfer.plan import DEFAULT_CHUNK_BYTES, NamedTensors, plan_sync
+from rlserve.transfer.protocol import BACKEND_NAME, DEFAULT_BUCKET_BYTES, combined_checksum
+from rlserve.types import PauseMode
+
+logger = logging.getLogger(__name__)
+
+
+class Fleet:
+    """Several rlserve servers (rlserve_gloo, staged updates) synced as one. Blocking; one
+    sync at a time. `servers`: addresses ("host:port") or `Client`s."""
+
+    def __init__(
+        self,
+        servers: Iterable[str | Client],
+        *,
+        credentials: ChannelCredentials | None = None,
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        rpc_timeout_s: float = 30.0,
+        pause_timeout_s: float = 600.0,
+    ) -> None:
+        """`master_address`: the trainer's address every server's workers can reach (not
+        loopback when they are on other hosts); `master_port`: 0 picks a free one. Timeouts
+        as `WeightSync`'s."""
+        if bucket_bytes <= 0 or chunk_bytes < bucket_bytes:
+            raise ValueError("need 0 < bucket_bytes <= chunk_bytes")
+        self._credentials = credentials
+        self._timeout_s = timeout_s
+        self._bucket_bytes, self._chunk_bytes = bucket_bytes, chunk_bytes
+        self._rpc_timeout_s, self._pause_timeout_s = rpc_timeout_s, pause_timeout_s
+        self._members: dict[str, Member] = {}
+        for server in servers:
+            self._add(server, fresh=False)
+        if not self._members:
+            raise ValueError("a fleet needs at least one server")
+        self.dropped: list[Dropped] = []
+        self._group = FleetGroup(
+            master_address=master_address, master_port=master_port, timeout_s=timeout_s, rpc_timeout_s=rpc_timeout_s
+        )
+        self.router = FleetRouter(lambda: self.clients)
+
+    # Membership --------------------------------------------------------------------------
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        return tuple(self._members)
+
+    @property
+    def master(self) -> tuple[str, int] | None:
+        """Where the trainer's end of the fleet's group listens; None until `init()`."""
+        return self._group.master
+
+    @property
+    def clients(self) -> list[Client]:
+        return [m.client for m in self._members.values()]
+
+    def add(self, server: str | Client) -> str:
+        """A server that joins at the next sync (a new rendezvous with every member; that
+        sync must carry every tensor of the checkpoint). Returns its name."""
+        return self._add(server, fresh=True).name
+
+    def remove(self, server: str) -> None:
+        """Out of the fleet from now on (routing too); the group is rebuilt at the next sync.
+        The server itself is left as it is."""
+        member = self._members.pop(server, None)
+        if member is None:
+            raise KeyError(f"{server!r} is not in the fleet (servers: {list(self._members)})")
+        if member.owned:
+            member.client.close()
+
+    def _add(self, server: str | Client, *, fresh: bool) -> Member:
+        client, owned = (
+            (Client(server, credentials=self._credentials), True) if isinstance(server, str) else (server, False)
+        )
+        name = client.target
+        if name in self._members:
+            if owned:
+                client.close()
+            raise ValueError(f"{name!r} is already in the fleet")
+        member = Member(name, client, owned, fresh=fresh)
+        self._members[name] = member
+        return member
+
+    def _drop(self, name: str, reason: str) -> None:
+        member = self._members.pop(name, None)
+        if member is None:
+            return
+        logger.warning("fleet: dropped %s: %s", name, reason)
+        self.dropped.append(Dropped(name, reason, time.time()))
+        if member.owned:
+            member.client.close()
+
+    # Rendezvous --------------------------------------------------------------------------
+
+    def init(self, *, require_same_weights: bool = True) -> None:
+        """Check every server, then build one group with all their workers (bounded by the
+        transfer timeout). Raises FleetError naming the server that does not fit: not
+        reachable or not authenticated, no rlserve_gloo, in-place updates (the fleet's
+        all-or-nothing needs staged ones), another checkpoint or dtype, or (with
+        `require_same_weights`, servers that are not new) other weights than the rest."""
+        self._group.forget()
+        members = list(self._members.values())
+        if not members:
+            raise FleetError("no server is left in the fleet")
+        infos = each(
+            members,
+            lambda m: m.client.control.GetServerInfo.future(cpb.GetServerInfoRequest(), timeout=self._rpc_timeout_s),
+        )
+        states = self._states(members)
+        unfit = {**rpc_errors(infos), **rpc_errors(states)}
+        if unfit:
+            raise FleetError("servers that cannot be reached: " + "; ".join(f"{n}: {e}" for n, e in unfit.items()))
+        for m in members:
+            info, state = infos[m.name], states[m.name]
+            backend = info.rl_capabilities.weight_transfer_backend
+            if backend != BACKEND_NAME:
+                raise FleetError(
+                    f"{m.name}: its weight-transfer backend is {backend or 'none'!r}; a fleet needs {BACKEND_NAME!r}"
+                )
+            if not state.stages_updates:
+                raise FleetError(
+                    f"{m.name}: it installs updates in place (--weight-update-mode in-place); a fleet needs staged updates"
+                )
+            m.num_workers = info.parallelism.world_size * max(1, info.parallelism.data_parallel_size)
+        dtypes = {m.name: states[m.name].weight_dtype for m in members}
+        require_same(dtypes, "serves weights in")
+        sums = self._checksums(members)
+        unfit = rpc_errors(sums)
+        if unfit:
+            raise FleetError(
+                "servers whose weights cannot be digested: " + "; ".join(f"{n}: {e}" for n, e in unfit.items())
+            )
+        for m in members:
+            m.manifest = frozenset(sums[m.name].per_tensor)
+        require_same({m.name: names_digest(m.manifest) for m in members}, "serves another checkpoint (tensor names):")
+        if require_same_weights:
+            settled = {m.name: sums[m.name].overall for m in members if not m.fresh}
+            require_same(settled, "serves other weights, digest")
+        self._group.rendezvous(members)
+
+    # Sync --------------------------------------------------------------------------------
+
+    def sync(
+        self,
+        weights: NamedTensors,
+        version: str,
+        *,
+        pause_mode: PauseMode | str = PauseMode.KEEP,
+        verify: bool = True,
+    ) -> FleetSyncStats:
+        """Push `weights` (checkpoint names; a subset updates only those, unless a server
+        joined since the last sync) into every server and publish `version` on all of them,
+        as described in the module's docstring. Raises FleetSyncError."""
+        mode = PauseMode(pause_mode)
+        t_init = time.perf_counter()
+        states = self._current_states()
+        members = list(self._members.values())
+        if not self._group.spans(self._members) or not all(s.transport_ready for s in states.values()):
+            self.init(require_same_weights=False)
+        init_s = time.perf_counter() - t_init
+        dtype = getattr(torch, states[members[0].name].weight_dtype, None)
+        tensors, chunks = plan_sync(weights, dtype, chunk_bytes=self._chunk_bytes, bucket_bytes=self._bucket_bytes)
+        self._check_partial(members, set(tensors))
+        num_bytes = sum(c.num_bytes for c in chunks)
+        t_pause = time.perf_counter()
+        pause = cpb.PauseGenerationRequest(mode=PAUSE_MODES[mode])
+        replies = each(members, lambda m: m.client.control.PauseGeneration.future(pause, timeout=self._pause_timeout_s))
+        paused = [m for m in members if not isinstance(replies[m.name], BaseException)]
+        try:
+            if len(paused) < len(members):
+                raise Failed("pause", rpc_errors(replies))
+            step(
+                members,
+                "start",
+                lambda m: m.client.control.StartWeightUpdate.future(
+                    cpb.StartWeightUpdateRequest(), timeout=self._rpc_timeout_s
+                ),
+            )
+            t0 = time.perf_counter()
+            for chunk in chunks:
+                self._group.send_chunk(members, chunk, tensors)
+            transfer_s = time.perf_counter() - t0
+            prepared = step(
+                members,
+                "prepare",
+                lambda m: m.lifecycle.PrepareWeightUpdate.future(
+                    lifecycle_pb2.PrepareWeightUpdateRequest(), timeout=self._step_timeout_s(num_bytes)
+                ),
+            )
+            check_votes(prepared, len(chunks), sum(len(c.tensors) for c in chunks))
+        except Failed as e:
+            raise self._abandon(members, paused, e) from e
+        prepare_s = time.perf_counter() - t0 - transfer_s
+        # The vote is in: from here on a server that fails is dropped, the others commit.
+        t_commit = time.perf_counter()
+        finish = cpb.FinishWeightUpdateRequest(weight_version=version)
+        finished = each_outcome(
+            members,
+            lambda m: m.client.control.FinishWeightUpdate.future(finish, timeout=self._step_timeout_s(num_bytes)),
+        )
+        commit_s = time.perf_counter() - t_commit
+        mine = {t.name: t.checksum for c in chunks for t in c.tensors}
+        outcomes = {n: COMMITTED if r == OK else f"commit failed: {r}" for n, r in finished.items()}
+        committed = [m for m in members if outcomes[m.name] == COMMITTED]
+        if verify:
+            for name, wrong in self._wrong_digests(committed, mine).items():
+                outcomes[name] = f"serves other weights after its commit: {wrong}"
+            committed = [m for m in committed if outcomes[m.name] == COMMITTED]
+        failed = [m for m in members if m not in committed]
+        for m in failed:
+            self._drop(m.name, f"sync to {version!r}: {outcomes[m.name]}")
+        resumed = each_outcome(
+            committed,
+            lambda m: m.client.control.ResumeGeneration.future(
+                cpb.ResumeGenerationRequest(), timeout=self._rpc_timeout_s
+            ),
+        )
+        pause_to_resume_s = time.perf_counter() - t_pause
+        if failed:
+            names = [m.name for m in committed]
+            raise FleetSyncError(
+                f"the sync to {version!r} committed on {len(committed)} of {len(members)} servers; dropped: "
+                + "; ".join(f"{m.name}: {outcomes[m.name]}" for m in failed),
+                outcomes,
+                names,
+                [m.name for m in failed],
+            )
+        for m in members:
+            m.fresh = False
+        stuck = {n: r for n, r in resumed.items() if r != OK}
+        if stuck:
+            logger.warning("fleet: committed %r but resume failed on %s", version, stuck)
+        return FleetSyncStats(
+            weight_version=version,
+            servers=tuple(m.name for m in members),
+            num_tensors=len(mine),
+            num_bytes=num_bytes,
+            num_chunks=len(chunks),
+            init_s=init_s,
+            transfer_s=transfer_s,
+            prepare_s=prepare_s,
+            commit_s=commit_s,
+            pause_to_resume_s=pause_to_resume_s,
+            checksum=combined_checksum(mine),
+        )
+
+    def _check_partial(self, members: list[Member], names: set[str]) -> None:
+        """A sync that leaves tensors out keeps those as each server serves them: only right
+        when the servers serve the same weights, and never for a server that just joined."""
+        for m in members:
+            missing = m.manifest - names
+            if m.fresh and missing:
+                raise ValueError(
+                    f"{m.name} joined the fleet since the last sync: send every tensor "
+                    f"({len(missing)} missing, e.g. {sorted(missing)[:3]})"
+                )
+        if all(m.manifest <= names for m in members):
+            return
+        sums = self._checksums(members)
+        unreadable = rpc_errors(sums)
+        if unreadable:
+            raise FleetError(
+                "servers whose weights cannot be digested: " + "; ".join(f"{n}: {e}" for n, e in unreadable.items())
+            )
+        require_same({n: r.overall for n, r in sums.items()}, "serves other weights (send every tensor), digest")
+
+    def _abandon(self, members: list[Member], paused: list[Member], failure: Failed) -> FleetSyncError:
+        """Before the vote: every server aborts and keeps its old weights; each one that
+        still answers resumes; those that do not are dropped."""
+        aborted = each_outcome(
+            members,
+            lambda m: m.lifecycle.AbortWeightUpdate.future(
+                lifecycle_pb2.AbortWeightUpdateRequest(), timeout=self._rpc_timeout_s
+            ),
+        )
+        gone = [m for m in members if is_gone(aborted[m.name])]
+        resumed = each_outcome(
+            [m for m in paused if m not in gone],
+            lambda m: m.client.control.ResumeGeneration.future(
+                cpb.ResumeGenerationRequest(), timeout=self._rpc_timeout_s
+            ),
+        )
+        outcomes = {
+            m.name: failure.errors.get(m.name, f"aborted at {failure.step}: another server failed") for m in members
+        }
+        for m in gone:
+            self._drop(m.name, f"unreachable after a failed sync: {aborted[m.name]}")
+        not_resumed = {n: r for n, r in resumed.items() if r != OK}
+        detail = f"; not resumed: {not_resumed}" if not_resumed else ""
+        return FleetSyncError(
+            f"the sync failed at {failure.step}, every server kept its old weights: {failure}{detail}",
+            outcomes,
+            [],
+            [m.name for m in gone],
+        )
+
+    def _wrong_digests(self, members: list[Member], mine: Mapping[str, str]) -> dict[str, str]:
+        sums = self._checksums(members)
+        wrong: dict[str, str] = {}
+        for name, served in sums.items():
+            if isinstance(served, BaseException):
+                wrong[name] = f"its digests cannot be read: {describe(served)}"
+                continue
+            bad = sorted(
+                {n for n, d in mine.items() if served.per_tensor.get(n) != d} | set(served.inconsistent_tensors)
+            )
+            if bad:
+                wrong[name] = f"tensors {bad[:5]}"
+        return wrong
+
+    def _current_states(self) -> dict[str, Any]:
+        """Every member's state; a member that does not answer is dropped with a report.
+        Raises FleetError when another error comes back, or no member is left."""
+        members = list(self._members.values())
+        states = self._states(members)
+        for name, state in list(states.items()):
+            if isinstance(state, grpc.RpcError) and state.code() in GONE:
+                self._drop(name, f"unreachable when a sync began: {describe(state)}")
+                del states[name]
+        errors = rpc_errors(states)
+        if errors:
+            raise FleetError("servers that refuse the fleet: " + "; ".join(f"{n}: {e}" for n, e in errors.items()))
+        if not states:
+            raise FleetError("no server is left in the fleet")
+        return states
+
+    # Fan-out helpers ----------------------------------------------------------------------
+
+    def _states(self, members: list[Member]) -> dict[str, Any]:
+        return each(
+            members, lambda m: m.lifecycle.GetState.future(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
+        )
+
+    def _checksums(self, members: list[Member]) -> dict[str, Any]:
+        request = lifecycle_pb2.GetWeightChecksumRequest()
+        return each(members, lambda m: m.lifecycle.GetWeightChecksum.future(request, timeout=self._rpc_timeout_s))
+
+    def _step_timeout_s(self, num_bytes: int) -> float:
+        return step_timeout_s(self._timeout_s, num_bytes)
+
+    # Rollouts ----------------------------------------------------------------------------
+
+    def generate(self, prompt: Any, **kw: Any) -> Any:
+        return self.router.generate(prompt, **kw)
+
+    def stream(self, prompt: Any, **kw: Any) -> Any:
+        return self.router.stream(prompt, **kw)
+
+    def generate_many(self, prompts: Sequence[Any], **kw: Any) -> Any:
+        return self.router.generate_many(prompts, **kw)
+
+    def close(self) -> None:
+        self.router.close()
+        self._group.close()
+        for m in self._members.values():
+            if m.owned:
+                m.client.close()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
