@@ -70,8 +70,8 @@ async def exited(proc: subprocess.Popen, within_s: float) -> int:
     return proc.returncode
 
 
-def left_behind(processes: list[psutil.Process]) -> list[psutil.Process]:
-    gone, alive = psutil.wait_procs(processes, timeout=10)
+def left_behind(processes: list[psutil.Process], timeout_s: float = 10) -> list[psutil.Process]:
+    gone, alive = psutil.wait_procs(processes, timeout=timeout_s)
     return alive
 
 
@@ -119,7 +119,7 @@ async def test_a_server_killed_outright_leaves_no_engine_behind(tiny_model_dir):
         assert any("EngineCor" in p.name() for p in engine)
         proc.kill()
         assert await exited(proc, 10) == -signal.SIGKILL
-        _, alive = await asyncio.to_thread(psutil.wait_procs, engine, 30)
+        alive = await asyncio.to_thread(left_behind, engine, 30)
         assert not alive, [p.name() for p in alive]
 
 
@@ -150,7 +150,7 @@ async def test_a_launched_server_shuts_down_when_its_launcher_dies(tiny_model_di
         tree = [server, *server.children(recursive=True)]
         launcher.kill()
         await launcher.wait()
-        _, alive = await asyncio.to_thread(psutil.wait_procs, tree, 30)
+        alive = await asyncio.to_thread(left_behind, tree, 30)
         assert not alive, [p.name() for p in alive]
         text = log.read_text()
         assert "exited: shutting down" in text and "shutting down: draining" in text, text[-3000:]

@@ -54,9 +54,6 @@ class RlserveServer:
     def wait_serving(self, timeout_s: float) -> str:
         return self._server.wait_serving(timeout_s)
 
-    def log_tail(self) -> str:
-        return self._server.log_tail()
-
     def stop(self) -> int:
         return self._server.stop()
 
@@ -120,7 +117,7 @@ def launch_fleet(
         args += ["--weight-transfer-backend", BACKEND_NAME]
     logs = Path(log_dir) if log_dir is not None else Path(tempfile.gettempdir()) / "rlserve-ray" / uuid.uuid4().hex[:8]
     options = {"num_cpus": num_cpus, "num_gpus": num_gpus, "resources": dict(resources or {}), **(actor_options or {})}
-    # Two calls at once: stop() and log_tail() answer while wait_serving() waits.
+    # Two calls at once: stop() answers while wait_serving() still waits (an interrupted launch).
     actor_class = ray.remote(RlserveServer).options(max_concurrency=2, **options)
     actors = [
         actor_class.remote(args, f"admin {token} trainer\n", str(logs / f"server-{i}.log")) for i in range(num_servers)

@@ -33,7 +33,7 @@ from rlserve.config import DEFAULT_TRANSFER_TIMEOUT_S
 from rlserve.transfer import patch as _patch
 from rlserve.transfer import shm
 from rlserve.transfer.gloo_group import GlooGroup
-from rlserve.transfer.plan import DEFAULT_CHUNK_BYTES, NamedTensors, plan_patch, plan_sync
+from rlserve.transfer.plan import DEFAULT_CHUNK_BYTES, NamedTensors, check_sizes, plan_patch, plan_sync
 from rlserve.transfer.protocol import (
     BACKEND_NAME,
     DEFAULT_BUCKET_BYTES,
@@ -234,8 +234,7 @@ class WeightSync:
         it); `rpc_timeout_s` every other RPC but the pause, which may wait for requests to
         drain (WAIT) for up to `pause_timeout_s`. `transport`: "gloo", "shm" (the server
         must run that backend, else `init` raises ValueError), or "auto" (the server's)."""
-        if bucket_bytes <= 0 or chunk_bytes < bucket_bytes:
-            raise ValueError("need 0 < bucket_bytes <= chunk_bytes")
+        check_sizes(bucket_bytes, chunk_bytes)
         if transport != "auto" and transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {sorted(TRANSPORTS)}")
         self._transport = transport

@@ -26,6 +26,7 @@ from rlserve.fleet.members import (
     FleetSyncError,
     FleetSyncStats,
     Member,
+    by_name,
     check_votes,
     describe,
     each,
@@ -38,7 +39,7 @@ from rlserve.fleet.members import (
 )
 from rlserve.routing import FleetRouter
 from rlserve.trainer import PAUSE_MODES, step_timeout_s
-from rlserve.transfer.plan import DEFAULT_CHUNK_BYTES, NamedTensors, plan_sync
+from rlserve.transfer.plan import DEFAULT_CHUNK_BYTES, NamedTensors, check_sizes, plan_sync
 from rlserve.transfer.protocol import BACKEND_NAME, DEFAULT_BUCKET_BYTES, combined_checksum
 from rlserve.types import PauseMode
 
@@ -65,8 +66,7 @@ class Fleet:
         """`master_address`: the trainer's address every server's workers can reach (not
         loopback when they are on other hosts); `master_port`: 0 picks a free one. Timeouts
         as `WeightSync`'s."""
-        if bucket_bytes <= 0 or chunk_bytes < bucket_bytes:
-            raise ValueError("need 0 < bucket_bytes <= chunk_bytes")
+        check_sizes(bucket_bytes, chunk_bytes)
         self._credentials = credentials
         self._timeout_s = timeout_s
         self._bucket_bytes, self._chunk_bytes = bucket_bytes, chunk_bytes
@@ -152,7 +152,7 @@ class Fleet:
         states = self._states(members)
         unfit = {**rpc_errors(infos), **rpc_errors(states)}
         if unfit:
-            raise FleetError("servers that cannot be reached: " + "; ".join(f"{n}: {e}" for n, e in unfit.items()))
+            raise FleetError("servers that cannot be reached: " + by_name(unfit))
         for m in members:
             info, state = infos[m.name], states[m.name]
             backend = info.rl_capabilities.weight_transfer_backend
@@ -167,12 +167,7 @@ class Fleet:
             m.num_workers = info.parallelism.world_size * max(1, info.parallelism.data_parallel_size)
         dtypes = {m.name: states[m.name].weight_dtype for m in members}
         require_same(dtypes, "serves weights in")
-        sums = self._checksums(members)
-        unfit = rpc_errors(sums)
-        if unfit:
-            raise FleetError(
-                "servers whose weights cannot be digested: " + "; ".join(f"{n}: {e}" for n, e in unfit.items())
-            )
+        sums = self._readable_checksums(members)
         for m in members:
             m.manifest = frozenset(sums[m.name].per_tensor)
         require_same({m.name: names_digest(m.manifest) for m in members}, "serves another checkpoint (tensor names):")
@@ -299,12 +294,7 @@ class Fleet:
                 )
         if all(m.manifest <= names for m in members):
             return
-        sums = self._checksums(members)
-        unreadable = rpc_errors(sums)
-        if unreadable:
-            raise FleetError(
-                "servers whose weights cannot be digested: " + "; ".join(f"{n}: {e}" for n, e in unreadable.items())
-            )
+        sums = self._readable_checksums(members)
         require_same({n: r.overall for n, r in sums.items()}, "serves other weights (send every tensor), digest")
 
     def _abandon(self, members: list[Member], paused: list[Member], failure: Failed) -> FleetSyncError:
@@ -362,7 +352,7 @@ class Fleet:
                 del states[name]
         errors = rpc_errors(states)
         if errors:
-            raise FleetError("servers that refuse the fleet: " + "; ".join(f"{n}: {e}" for n, e in errors.items()))
+            raise FleetError("servers that refuse the fleet: " + by_name(errors))
         if not states:
             raise FleetError("no server is left in the fleet")
         return states
@@ -377,6 +367,14 @@ class Fleet:
     def _checksums(self, members: list[Member]) -> dict[str, Any]:
         request = lifecycle_pb2.GetWeightChecksumRequest()
         return each(members, lambda m: m.lifecycle.GetWeightChecksum.future(request, timeout=self._rpc_timeout_s))
+
+    def _readable_checksums(self, members: list[Member]) -> dict[str, Any]:
+        """Every member's digests; FleetError naming those whose digests cannot be read."""
+        sums = self._checksums(members)
+        unreadable = rpc_errors(sums)
+        if unreadable:
+            raise FleetError("servers whose weights cannot be digested: " + by_name(unreadable))
+        return sums
 
     def _step_timeout_s(self, num_bytes: int) -> float:
         return step_timeout_s(self._timeout_s, num_bytes)

@@ -14,7 +14,7 @@ import torch
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.fleet.members import Failed, FleetError, Member, future, rpc_errors
+from rlserve.fleet.members import Failed, FleetError, Member, by_name, future, rpc_errors
 from rlserve.trainer import RPC_MARGIN_S, TensorSender, step_timeout_s
 from rlserve.transfer.protocol import ChunkInfo
 
@@ -75,7 +75,7 @@ class FleetGroup:
             if errors:
                 for f in rpcs.values():
                     f.cancel()
-                raise FleetError("the rendezvous failed: " + "; ".join(f"{n}: {e}" for n, e in errors.items()))
+                raise FleetError("the rendezvous failed: " + by_name(errors))
             if join in done:
                 try:
                     join.result()

@@ -84,8 +84,13 @@ class Failed(Exception):
     """Some servers failed a step; `errors` by server name."""
 
     def __init__(self, step: str, errors: Mapping[str, str]) -> None:
-        super().__init__(f"{step}: " + "; ".join(f"{n}: {e}" for n, e in errors.items()))
+        super().__init__(f"{step}: " + by_name(errors))
         self.step, self.errors = step, dict(errors)
+
+
+def by_name(errors: Mapping[str, str]) -> str:
+    """`errors` (server name -> what went wrong) in one line."""
+    return "; ".join(f"{n}: {e}" for n, e in errors.items())
 
 
 def each(members: Sequence[Member], call: Callable[[Member], grpc.Future]) -> dict[str, Any]:

@@ -18,6 +18,12 @@ DEFAULT_CHUNK_BYTES = 1024 * 1024 * 1024
 NamedTensors = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
+def check_sizes(bucket_bytes: int, chunk_bytes: int) -> None:
+    """ValueError unless 0 < bucket_bytes <= chunk_bytes (a chunk holds whole buckets)."""
+    if bucket_bytes <= 0 or chunk_bytes < bucket_bytes:
+        raise ValueError("need 0 < bucket_bytes <= chunk_bytes")
+
+
 def plan_sync(
     weights: NamedTensors,
     dtype: torch.dtype | None = None,
