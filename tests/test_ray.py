@@ -115,6 +115,7 @@ def test_the_servers_end_with_their_driver_however_it_ends(ray_cluster, tiny_mod
         env={**os.environ, "RAY_ADDRESS": ray_cluster},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    tree: list[psutil.Process] = []
     try:
         output = ""
         while (found := re.search(r"via rlserve at (\S+):(\d+) ", output)) is None:
@@ -126,12 +127,29 @@ def test_the_servers_end_with_their_driver_however_it_ends(ray_cluster, tiny_mod
             assert demo.poll() is None and time.monotonic() < deadline, "no step was trained"
             time.sleep(0.5)
         (server,) = [p for p in _servers_running() if f"--port {found[2]} " in " ".join(p.cmdline()) + " "]
-        tree = process_tree(server.pid)
-        assert any("EngineCor" in p.name() for p in tree)
+        # The engine core is the server's child; its title is set as it starts.
+        deadline = time.monotonic() + 30
+        while True:
+            tree = process_tree(server.pid)
+            names = _names(tree)
+            if any("EngineCor" in name for name in names):
+                break
+            assert time.monotonic() < deadline, f"no engine core under {server.cmdline()}: {names}"
+            time.sleep(0.5)
     finally:
         demo.send_signal(signal.SIGKILL)
         demo.wait()
     assert wait_gone(tree, timeout_s=60) == []
+
+
+def _names(processes: list[psutil.Process]) -> list[str]:
+    names = []
+    for p in processes:
+        try:
+            names.append(f"{p.pid} {p.name()} {' '.join(p.cmdline())[:120]}")
+        except psutil.Error as e:
+            names.append(f"{p.pid} {e!r}")
+    return names
 
 
 def _servers_running() -> list[psutil.Process]:
