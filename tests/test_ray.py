@@ -116,30 +116,51 @@ def test_the_servers_end_with_their_driver_however_it_ends(ray_cluster, tiny_mod
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     tree: list[psutil.Process] = []
+    output, problem = "", None
     try:
-        output = ""
         while (found := re.search(r"via rlserve at (\S+):(\d+) ", output)) is None:
             line = demo.stdout.readline()
-            assert line, f"the demo ended: {output[-3000:]}"
-            output += line
-        deadline = time.monotonic() + 120
-        while not (out / "steps.jsonl").exists() or not (out / "steps.jsonl").read_text().strip():
-            assert demo.poll() is None and time.monotonic() < deadline, "no step was trained"
-            time.sleep(0.5)
-        (server,) = [p for p in _servers_running() if f"--port {found[2]} " in " ".join(p.cmdline()) + " "]
-        # The engine core is the server's child; its title is set as it starts.
-        deadline = time.monotonic() + 30
-        while True:
-            tree = process_tree(server.pid)
-            names = _names(tree)
-            if any("EngineCor" in name for name in names):
+            if not line:
+                problem = "the demo ended before it named its server"
                 break
-            assert time.monotonic() < deadline, f"no engine core under {server.cmdline()}: {names}"
-            time.sleep(0.5)
+            output += line
+        else:
+            (server,) = [p for p in _servers_running() if f"--port {found[2]} " in " ".join(p.cmdline()) + " "]
+            tree, problem = _engine_under(server, timeout_s=30)
+            deadline = time.monotonic() + 120
+            while problem is None and not ((out / "steps.jsonl").exists() and (out / "steps.jsonl").read_text()):
+                if demo.poll() is not None or time.monotonic() > deadline:
+                    problem = "no step was trained"
+                time.sleep(0.5)
     finally:
         demo.send_signal(signal.SIGKILL)
         demo.wait()
+    # What the demo said up to its kill (it explains a demo that failed on its own).
+    assert problem is None, f"{problem}; the demo's output:\n{(output + _unread(demo.stdout))[-4000:]}"
     assert wait_gone(tree, timeout_s=60) == []
+
+
+def _unread(pipe) -> str:
+    """What the pipe holds now, without waiting for a writer that may live on."""
+    os.set_blocking(pipe.fileno(), False)
+    try:
+        return pipe.read() or ""
+    except OSError:
+        return ""
+
+
+def _engine_under(server: psutil.Process, timeout_s: float) -> tuple[list[psutil.Process], str | None]:
+    """The server's process tree once it holds an engine core (its title is set as it
+    starts), or what the tree held after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        tree = process_tree(server.pid)
+        names = _names(tree)
+        if any("EngineCor" in name for name in names):
+            return tree, None
+        if time.monotonic() > deadline:
+            return tree, f"no engine core under the server: {names}"
+        time.sleep(0.5)
 
 
 def _names(processes: list[psutil.Process]) -> list[str]:
