@@ -360,10 +360,10 @@ async def prepare_run(args) -> Path:
     return work_dir
 
 
-async def run_each(kind: str, names: list[str], run_one) -> dict:
-    """`await run_one(name)` for each name in turn; a failure becomes {"unavailable": why}
-    so one failed leg never hides the others."""
-    results: dict = {}
+async def run_each(kind: str, names: list[str], run_one, results: dict | None = None) -> dict:
+    """`await run_one(name)` for each name in turn, into `results` (so a later one can read an
+    earlier one's); a failure becomes {"unavailable": why} so one failed leg never hides the others."""
+    results = {} if results is None else results
     for name in names:
         print(f"[bench] {kind} {name} ...", file=sys.stderr)
         try:

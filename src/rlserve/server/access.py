@@ -5,6 +5,7 @@ Refused calls never reach a servicer, so they change nothing."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import time
@@ -71,7 +72,7 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
 
-            async def stream(request: Any, context: grpc.aio.ServicerContext):
+            async def generator_stream(request: Any, context: grpc.aio.ServicerContext):
                 caller, started = await self._admit(method, request, context), time.perf_counter()
                 try:
                     async for response in inner_stream(request, context):
@@ -79,8 +80,16 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
                 finally:
                     self._done(method, caller, request, context, started)
 
+            async def writer_stream(request: Any, context: grpc.aio.ServicerContext) -> None:
+                # A handler that writes its messages itself: nothing here runs per message.
+                caller, started = await self._admit(method, request, context), time.perf_counter()
+                try:
+                    await inner_stream(request, context)
+                finally:
+                    self._done(method, caller, request, context, started)
+
             return grpc.unary_stream_rpc_method_handler(
-                stream,
+                writer_stream if inspect.iscoroutinefunction(inner_stream) else generator_stream,
                 request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )

@@ -28,8 +28,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return convert.generate_response(chunks[-1], params)
 
     @translate_errors
-    async def GenerateStream(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def GenerateStream(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        # Written with context.write, not yielded: a coroutine handler passes the access check
+        # and the error translation once per call, where a generator would pass each message
+        # through both.
         params = convert.generate_params(request, is_stream=True, limits=self._limits)
         async with contextlib.aclosing(self._slot.lifecycle.generate(params)) as chunks:
             async for chunk in chunks:
-                yield convert.generate_response(chunk, params)
+                await context.write(convert.generate_response(chunk, params))
