@@ -12,6 +12,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -34,10 +35,22 @@ READY_TIMEOUT_S = 600.0
 
 
 def free_port() -> int:
-    """A port the kernel just handed out on loopback (released again, so a server can bind it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing on loopback holds, below the kernel's ephemeral range: a port the kernel
+    hands out for bind(0) is released again, and the kernel may give it to an outgoing
+    connection (a server's own ZMQ sockets) before the server binds it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low} on 127.0.0.1")
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -8,6 +8,10 @@ makes sequential calls, warms up, then times each call:
   vllm_rs    vLLM's Rust frontend (`vllm-rs serve --grpc-port`): the same calls, the same stubs
   vllm_http  vLLM's OpenAI server with VLLM_SERVER_DEV_MODE=1: GET /is_paused and a
              POST /pause?mode=abort + POST /resume pair, over one keep-alive aiohttp session
+  engine_client  no server: vLLM's Python engine client (the one rlserve drives) in a child
+             process, calling the engine core directly: pause_scheduler(abort, clear_cache)
+             + resume_scheduler, and is_scheduler_paused. What the engine round trips cost
+             before any frontend adds to them.
 The last stdout line is one JSON object: p50/p99 in ms per system and call, and `ratios` of
 rlserve's p50 to the floor and to the other systems (lower is better); `targets` states the goals.
 `foreign_cpu_s`/`steal_cpu_s`: CPU used by anything else on the machine, or taken by the
@@ -32,7 +36,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common
 
-SYSTEMS = ("rlserve", "vllm_rs", "vllm_http")
+SYSTEMS = ("rlserve", "vllm_rs", "vllm_http", "engine_client")
 ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", "512", "--enforce-eager")
 TARGETS = {
     "rlserve_is_paused_over_floor_p50": "<= 1.3",
@@ -169,11 +173,45 @@ async def http_system(cmd: list[str], port: int, log_path: Path, args: argparse.
         return await with_foreign_cpu(proc.pid, measure(is_paused, pause, resume, None, args))
 
 
+async def engine_client_system(args: argparse.Namespace, log_path: Path) -> dict:
+    """The engine client runs in a child process, so its CPU is not this process's."""
+    result_path = log_path.with_suffix(".json")
+    cmd = [sys.executable, __file__, "--engine-client-child", str(result_path), "--model", args.model]
+    cmd += ["--num-warmup", str(args.num_warmup), "--num-samples", str(args.num_samples)]
+    cmd += ["--num-pairs", str(args.num_pairs)]
+    async with common.server(cmd, log_path) as proc:
+        if await proc.wait() != 0:
+            raise RuntimeError(f"the engine client child failed; last log lines:\n{common.tail(log_path)}")
+    return json.loads(result_path.read_text())
+
+
+async def engine_client_child(args: argparse.Namespace) -> None:
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(model=args.model, dtype="float32", max_model_len=512, enforce_eager=True)
+    )
+    core = llm.engine_core
+    try:
+
+        async def pause() -> None:
+            await core.pause_scheduler_async(mode="abort", clear_cache=True)
+
+        measuring = measure(core.is_scheduler_paused_async, pause, core.resume_scheduler_async, None, args)
+        result = await with_foreign_cpu(os.getpid(), measuring)
+        Path(args.engine_client_child).write_text(json.dumps(result))
+    finally:
+        llm.shutdown()
+
+
 async def run_system(name: str, args: argparse.Namespace, work_dir: Path) -> dict:
     log_path = work_dir / f"control_{name}.log"
     info = {"loadavg_start": [round(x, 2) for x in os.getloadavg()], "log": str(log_path)}
     started = time.perf_counter()
-    if name == "rlserve":
+    if name == "engine_client":
+        result = await engine_client_system(args, log_path)
+    elif name == "rlserve":
         port = common.free_port()
         cmd = [sys.executable, "-m", "rlserve", "serve", "--model", args.model, "--port", str(port), *ENGINE_FLAGS]
         result = await grpc_system(cmd, port, log_path, args)
@@ -234,6 +272,13 @@ def ratios(systems: dict) -> dict:
         "rlserve_over_vllm_rs_is_paused_p50": div(p50("rlserve", "is_paused"), p50("vllm_rs", "is_paused")),
         "rlserve_over_http_pause_resume_p50": div(p50("rlserve", "pause_resume"), p50("vllm_http", "pause_resume")),
         "rlserve_over_http_is_paused_p50": div(p50("rlserve", "is_paused"), p50("vllm_http", "is_paused")),
+        # What the engine round trips alone take, against each frontend's whole pair.
+        "engine_client_over_rlserve_pause_resume_p50": div(
+            p50("engine_client", "pause_resume"), p50("rlserve", "pause_resume")
+        ),
+        "engine_client_over_vllm_rs_pause_resume_p50": div(
+            p50("engine_client", "pause_resume"), p50("vllm_rs", "pause_resume")
+        ),
     }
 
 
@@ -265,6 +310,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=str(Path(tempfile.gettempdir()) / "rlserve-bench"),
         help="models, logs, the vllm-rs binary and the vllm shim venv go here",
     )
+    p.add_argument("--engine-client-child", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(args.systems) - set(SYSTEMS)
@@ -277,6 +323,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 if __name__ == "__main__":
     cli_args = parse_args()
+    if cli_args.engine_client_child:
+        import uvloop  # as `rlserve serve` runs its loop
+
+        uvloop.run(engine_client_child(cli_args))
+        sys.exit()
     try:
         result = asyncio.run(main(cli_args))
     except (KeyboardInterrupt, asyncio.CancelledError):

@@ -385,7 +385,7 @@ async def run_leg(name: str, args: argparse.Namespace, work_dir: Path, done: dic
     info["elapsed_s"] = round(time.perf_counter() - started, 1)
     for workload, r in runs.items():
         pooled.setdefault(name, {}).setdefault(workload, []).append(r)
-    workloads = {name: {"unavailable": r} if isinstance(r, str) else summarize(r) for name, r in runs.items()}
+    workloads = {w: {"unavailable": r} if isinstance(r, str) else summarize(r) for w, r in runs.items()}
     return {**info, "workloads": workloads, "descendants": tree, "log": str(log_path)}
 
 
