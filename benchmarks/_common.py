@@ -12,9 +12,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
-import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,29 +26,12 @@ from pathlib import Path
 
 import psutil
 
+from rlserve.launch import free_port  # noqa: F401 - the benchmarks take their ports from here
+
 # Process titles vLLM gives its engine processes; every other descendant is a helper.
 ENGINE_PROCESS_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
 STOP_GRACE_S = 20.0
 READY_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    """A port nothing on loopback holds, below the kernel's ephemeral range: a port the kernel
-    hands out for bind(0) is released again, and the kernel may give it to an outgoing
-    connection (a server's own ZMQ sockets) before the server binds it."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for _ in range(200):
-        port = random.randrange(max(1024, low - 16384), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port below {low} on 127.0.0.1")
 
 
 def percentile(values: list[float], q: float) -> float:

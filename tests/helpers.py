@@ -8,7 +8,6 @@ import contextlib
 import http.client
 import json
 import shutil
-import socket
 import sys
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,12 +33,6 @@ from rlserve.transfer.protocol import ChunkInfo, TensorMeta, tensor_checksum
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 TRAINER = Path(__file__).with_name("trainer_process.py")
 ABORT, WAIT, KEEP = cpb.PAUSE_MODE_ABORT, cpb.PAUSE_MODE_WAIT, cpb.PAUSE_MODE_KEEP
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def long_request(prompt: str = "Tell me a long story", max_new_tokens: int = 200, **kw) -> pb.GenerateRequest:

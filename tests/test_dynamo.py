@@ -31,9 +31,10 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.client import generate_request
 from rlserve.config import ServeConfig
+from rlserve.launch import free_port
 from rlserve.trainer import TensorSender, plan_sync
 
-from helpers import PROMPT, free_port, greedy, perturbed, serving
+from helpers import PROMPT, greedy, perturbed, serving
 from tiny_model import make_tiny_lora
 
 DYNAMO_PYTHON = Path(__file__).resolve().parent.parent / ".venv-dynamo" / "bin" / "python"

@@ -23,9 +23,10 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
 from rlserve.client import ChannelCredentials, Client
 from rlserve.fleet import Fleet, FleetError
+from rlserve.launch import free_port
 from rlserve.transfer.protocol import tensor_checksum
 
-from helpers import free_port, perturbed
+from helpers import perturbed
 
 TRAINER_IP, SERVER_IP = "10.231.0.1", "10.231.0.2"
 TOKEN = "fleet-admin-" + uuid.uuid4().hex

@@ -24,8 +24,9 @@ from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
 from rlserve.api.vllm import inference_pb2 as pb
 from rlserve.client import generate_request
+from rlserve.launch import free_port
 
-from helpers import KEEP, free_port, long_request, pause, read_rest
+from helpers import KEEP, long_request, pause, read_rest
 
 START_S = 180
 

@@ -22,8 +22,9 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import inference_pb2 as pb
 from rlserve.config import ServeConfig
+from rlserve.launch import free_port
 
-from helpers import KEEP, free_port, models_listed, pause, serving
+from helpers import KEEP, models_listed, pause, serving
 
 ROUTER = Path(__file__).resolve().parent.parent / ".venv-router" / "bin" / "vllm-router"
 START_S = 60.0

@@ -5,6 +5,7 @@ never on the command line), waited for until it serves, and stopped with its eng
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -97,8 +98,21 @@ class ServerProcess:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now (another process may take it before the server binds it)."""
+    """A port nothing holds on `host` now, below the kernel's ephemeral range: a port handed
+    out for bind(0) is released again, and the kernel may give it to an outgoing connection
+    (the server's own engine sockets) before the server binds it. Another process may still
+    take it first."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 16384), low)
+        with socket.socket(family) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low} on {host}")
