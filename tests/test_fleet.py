@@ -34,13 +34,13 @@ from rlserve.api.vllm import inference_pb2 as pb
 from rlserve.client import Client, generate_request
 from rlserve.config import ServeConfig
 from rlserve.fleet import AsyncFleet, Fleet, FleetError, FleetSyncError
+from rlserve.launch import free_port
 from rlserve.trainer import WeightSync
 from rlserve.transfer.protocol import tensor_checksum
 
 from conftest import insecure_serialization
 from helpers import (
     checkpoint,
-    free_port,
     greedy,
     models_listed,
     perturbed,

@@ -17,6 +17,7 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.client import Client, generate_request
 from rlserve.config import ServeConfig
+from rlserve.launch import free_port
 from rlserve.trainer import WeightSync, WeightSyncError
 
 from helpers import (
@@ -27,7 +28,6 @@ from helpers import (
     checksum,
     chunk_of,
     expect,
-    free_port,
     greedy,
     pause,
     perturbed,

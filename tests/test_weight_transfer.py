@@ -19,6 +19,7 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.client import generate_request
 from rlserve.config import ServeConfig
+from rlserve.launch import free_port
 from rlserve.transfer.protocol import combined_checksum, tensor_checksum
 
 from helpers import (
@@ -27,7 +28,6 @@ from helpers import (
     checksum,
     chunk_of,
     expect,
-    free_port,
     greedy,
     perturbed,
     reference_outputs,
