@@ -13,6 +13,8 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "rlserve"
 # package -> top-level modules it must not import directly
 FORBIDDEN = {
     "lifecycle": ("grpc", "rlserve.server", "rlserve.api", "torch", "vllm"),
+    # The frontend processes' protocol, the leader's hub and a follower's lifecycle: no grpc.
+    "frontends": ("grpc", "rlserve.server", "rlserve.api", "torch", "vllm"),
     "engine": ("grpc", "rlserve.server", "rlserve.api", "rlserve.lifecycle"),
     "transfer": ("grpc", "rlserve.server", "rlserve.api", "rlserve.lifecycle", "rlserve.engine"),
     "server": ("torch", "vllm", "rlserve.transfer.engines", "rlserve.transfer.gloo_group", "rlserve.transfer.shm"),

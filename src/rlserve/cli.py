@@ -47,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="a listener of its own for vllm.Control and rlserve.v1 (HOST:PORT or unix:PATH); default: --host/--port",
     )
+    s.add_argument(
+        "--frontends",
+        type=int,
+        default=_default(_SERVE, "num_frontends"),
+        help="frontend processes over the one engine, all serving vllm.Inference on --port (more frontend CPU "
+        "for a fast engine); the first owns the control plane, which then needs --control-address",
+    )
     s.add_argument("--auth-tokens-file", type=Path, default=None, help="ROLE TOKEN [NAME] per line (see below)")
     s.add_argument("--tls-cert-file", type=Path, default=None, help="the server's certificate chain (PEM)")
     s.add_argument("--tls-key-file", type=Path, default=None, help="the server's private key (PEM)")
@@ -203,6 +210,7 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         control_address=args.control_address,
         metrics_port=args.metrics_port,
         exit_with_parent=args.exit_with_parent,
+        num_frontends=args.frontends,
         security=security_config(args, dict(os.environ) if environ is None else environ),
     )
 

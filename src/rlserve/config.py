@@ -189,6 +189,10 @@ class ServeConfig:
     # Shut down (gracefully, as on SIGTERM) when the process that started the server exits:
     # a server started by a launcher (a Ray actor) does not outlive it.
     exit_with_parent: bool = False
+    # Frontend processes over the one engine (vLLM's --api-server-count): all serve
+    # vllm.Inference on `address`; the first owns the lifecycle and the control plane, which
+    # then needs a listener of its own (control_address).
+    num_frontends: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -204,6 +208,13 @@ class ServeConfig:
             raise ValueError("max_held_requests must be >= 0")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
+        if self.num_frontends < 1:
+            raise ValueError("num_frontends must be >= 1")
+        if self.num_frontends > 1 and not self.control_address:
+            raise ValueError(
+                "--frontends > 1 serves the control plane from one process: give it a listener of its own "
+                "(--control-address HOST:PORT or unix:PATH)"
+            )
         control = self.control_address or self.address
         if not is_loopback(control) and not self.security.auth_enabled and not self.security.insecure_control:
             raise ValueError(

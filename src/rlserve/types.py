@@ -259,6 +259,16 @@ class LoraAdapter:
 
 
 @dataclass(frozen=True, slots=True)
+class FrontendStatus:
+    """One frontend process: the requests it admitted in all and has open now."""
+
+    index: int
+    pid: int
+    num_requests: int
+    num_open_requests: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStatus:
     """What one data-parallel engine reports about itself."""
 

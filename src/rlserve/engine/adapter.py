@@ -32,6 +32,7 @@ from rlserve.engine.load import LoadBoard, NoPrometheus
 from rlserve.engine.outputs import OutputTranslator, aborted_before_start
 from rlserve.engine.process_group import engine_in_own_group
 from rlserve.engine.sampling import ModelLimits, build_prompt_token_ids, build_sampling_params
+from rlserve.engine.shared import FrontendClient, configure
 from rlserve.engine.transport import WeightTransport, make_transport
 from rlserve.errors import CapabilityMissing, EngineUnavailable, InvalidRequest, UnknownModel
 from rlserve.transfer.manifest import ManifestEntry, lora_config_misfit, lora_misfit, read_manifest
@@ -104,11 +105,14 @@ class PreparedRequest:
 
 
 class EngineAdapter:
-    def __init__(self, llm: AsyncLLM, config: EngineConfig, load: LoadBoard | None = None) -> None:
+    def __init__(
+        self, llm: AsyncLLM, config: EngineConfig, load: LoadBoard | None = None, instance_id: str = ""
+    ) -> None:
         self._llm = llm
         self.load = load  # None: the engine was started without stats
         self._config = config
-        self._instance_id = uuid.uuid4().hex
+        # One per server: every frontend process of a server reports the same.
+        self.instance_id = instance_id or uuid.uuid4().hex
         vc = llm.vllm_config
         self._limits = ModelLimits(
             max_model_len=vc.model_config.max_model_len,
@@ -149,6 +153,28 @@ class EngineAdapter:
         with engine_in_own_group():
             llm = AsyncLLM.from_engine_args(engine_args(config), stat_loggers=loggers or None)
         return cls(llm, config, load)
+
+    @classmethod
+    def connect(
+        cls, config: EngineConfig, client: FrontendClient, vllm_config: Any | None = None, instance_id: str = ""
+    ) -> EngineAdapter:
+        """The engine client of frontend `client.index` on an engine `SharedEngine` launched.
+        Only the first frontend gets the scheduler's stats (the engine sends them there)."""
+        load = LoadBoard() if config.log_stats and client.index == 0 else None
+        loggers: list[Any] = [load.logger] if load else []
+        if load and not config.vllm_metrics:
+            loggers.append(NoPrometheus)
+        if vllm_config is None:
+            vllm_config = configure(engine_args(config), client.count, client.index)
+        llm = AsyncLLM.from_vllm_config(
+            vllm_config,
+            stat_loggers=loggers or None,
+            disable_log_stats=load is None,
+            client_addresses=client.addresses,
+            client_count=client.count,
+            client_index=client.index,
+        )
+        return cls(llm, config, load, instance_id)
 
     @property
     def llm(self) -> AsyncLLM:
@@ -212,6 +238,12 @@ class EngineAdapter:
         ids = [stream.internal_id for stream in self._streams]
         if ids and not self.monitor.is_dead:
             await self.monitor.guard(self._llm.abort(ids, internal=True))
+
+    async def abort_internal(self, internal_ids: list[str]) -> None:
+        """Abort requests by vLLM's internal ids, whichever frontend process submitted them
+        (those of a frontend that is gone: nothing reads their outputs)."""
+        if internal_ids and not self.monitor.is_dead:
+            await self.monitor.guard(self._llm.engine_core.abort_requests_async(internal_ids))
 
     async def _abort_internal(self, internal_id: str) -> None:
         """Abort one submitted request by vLLM's internal id, which is unique."""
@@ -346,7 +378,7 @@ class EngineAdapter:
             engine_version=vllm.__version__,
             # The API family, not a version: Dynamo's sidecar accepts only `vllm` here.
             api_version="vllm",
-            instance_id=self._instance_id,
+            instance_id=self.instance_id,
             parallelism=ParallelismInfo(
                 tensor_parallel_size=pc.tensor_parallel_size,
                 pipeline_parallel_size=pc.pipeline_parallel_size,

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+import os
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,7 @@ from rlserve.errors import (
     VersionMismatch,
     WrongState,
 )
-from rlserve.lifecycle.gate import GenerationGate, Ticket
+from rlserve.lifecycle.gate import Admission, GenerationGate, Ticket
 from rlserve.lifecycle.loras import LoraRegistry, adapter_digest, check_source
 from rlserve.lifecycle.mutation import survives_caller_cancellation
 from rlserve.lifecycle.owner import Observer, StateOwner
@@ -40,6 +41,7 @@ from rlserve.lifecycle.weight_updates import WeightUpdates
 from rlserve.types import (
     MEMORY_TAGS,
     EngineLoad,
+    FrontendStatus,
     GenerateChunk,
     GenerateParams,
     LoraAdapter,
@@ -81,6 +83,10 @@ class LifecycleController:
         self._loras.on_retired = self._retire_later
         self._retiring: set[asyncio.Task[None]] = set()
         self._drain: asyncio.Future[None] | None = None
+        self._abort_forwards: list[Callable[[list[str]], None]] = []
+        # This process's generation requests, and the other frontend processes' (a hub's).
+        self._num_requests = self._num_open_requests = 0
+        self._other_frontends: Callable[[], tuple[FrontendStatus, ...]] = tuple
         self._drain_then_pause: bool | None = None
         engine.monitor.on_dead(lambda reason: self._gate.fail_all(EngineUnavailable(reason)))
         self.weights = WeightUpdates(
@@ -124,23 +130,59 @@ class LifecycleController:
     async def _generate(self, params: GenerateParams, lora: LoraAdapter | None) -> AsyncGenerator[GenerateChunk, None]:
         request = await self._engine.prepare(params, lora)
         ticket = Ticket(params.request_id, request.num_bytes)
-        if not await self._gate.admit(ticket):
-            for chunk in self._engine.aborted_before_start(request):
-                yield chunk
-            return
+        self._num_requests += 1
+        self._num_open_requests += 1
         try:
-            stream = await self._engine.submit(request)
+            if not await self._gate.admit(ticket):
+                for chunk in self._engine.aborted_before_start(request):
+                    yield chunk
+                return
+            try:
+                stream = await self._engine.submit(request)
+            finally:
+                self._gate.entered(ticket)
+            if ticket.aborted:  # Abort named it on its way in
+                await self._engine.abort([params.request_id])
+            async with contextlib.aclosing(stream.chunks()) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         finally:
-            self._gate.entered(ticket)
-        if ticket.aborted:  # Abort named it on its way in
-            await self._engine.abort([params.request_id])
-        async with contextlib.aclosing(stream.chunks()) as chunks:
-            async for chunk in chunks:
-                yield chunk
+            self._num_open_requests -= 1
+
+    @contextlib.asynccontextmanager
+    async def admission(self, request_id: str, num_bytes: int, lora_name: str) -> AsyncIterator[Admission]:
+        """A request of another frontend process of this server, at this one gate: held while
+        paused, counted on its way into the engine (the caller submits it, then calls
+        `entered`), its adapter kept loaded until the block ends. `Admission.lora` is None
+        without one; `aborted` when it was aborted while held (it must not run). Raises what
+        admitting a local request raises."""
+        with self._loras.using(lora_name) if lora_name else contextlib.nullcontext() as lora:
+            ticket = Ticket(request_id, num_bytes)
+            admission = Admission(ticket, lora, self._gate, aborted=not await self._gate.admit(ticket))
+            try:
+                yield admission
+            finally:
+                admission.entered()
+
+    def attach_frontends(
+        self, forward_abort: Callable[[list[str]], None], statuses: Callable[[], tuple[FrontendStatus, ...]]
+    ) -> None:
+        """Other frontend processes admit through this one: `forward_abort(ids)` hears every
+        Abort (they abort their requests), `statuses()` says what they have (GetState)."""
+        self._abort_forwards.append(forward_abort)
+        self._other_frontends = statuses
+
+    def frontends(self) -> tuple[FrontendStatus, ...]:
+        """This process (frontend 0) and the other frontend processes."""
+        own = FrontendStatus(0, os.getpid(), self._num_requests, self._num_open_requests)
+        return (own, *self._other_frontends())
 
     async def abort(self, request_ids: list[str]) -> None:
-        """Abort requests by id, held ones included; unknown ids are ignored."""
+        """Abort requests by id, held ones included, in every frontend process; unknown ids
+        are ignored."""
         self._gate.abort(request_ids)
+        for forward in self._abort_forwards:
+            forward(request_ids)
         await self._engine.abort(request_ids)
 
     async def abort_everything(self) -> None:
@@ -188,6 +230,10 @@ class LifecycleController:
         task.add_done_callback(self._retiring.discard)
 
     def loras(self) -> tuple[LoraAdapter, ...]:
+        return self._loras.adapters()
+
+    async def list_loras(self) -> tuple[LoraAdapter, ...]:
+        """The loaded adapters (a following frontend process asks the leader)."""
         return self._loras.adapters()
 
     # Pause and resume -------------------------------------------------------------------
@@ -370,6 +416,7 @@ class LifecycleController:
             recent_mutations=self._owner.audit_log(),
             weight_dtype=self._engine.weight_dtype,
             stages_updates=self._engine.transport is not None and self._engine.transport.stages_updates,
+            frontends=self.frontends(),
         )
 
     def watch(self) -> AsyncIterator[LifecycleState]:

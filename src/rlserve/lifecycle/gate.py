@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from rlserve.errors import Overloaded, TooManyHeldRequests
+from rlserve.types import LoraAdapter
 
 
 @dataclass(eq=False)
@@ -25,6 +26,27 @@ class Ticket:
     aborted: bool = False
     error: Exception | None = None
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(eq=False)
+class Admission:
+    """A request another frontend process admitted through this gate (see
+    `LifecycleController.admission`)."""
+
+    ticket: Ticket
+    lora: LoraAdapter | None
+    _gate: GenerationGate
+    aborted: bool = False
+    _is_entered: bool = False
+
+    def entered(self) -> bool:
+        """The engine has it now (or refused it); True when Abort named it on its way in,
+        so it must be aborted in the engine. Once only; later calls return False."""
+        if self._is_entered or self.aborted:
+            return False
+        self._is_entered = True
+        self._gate.entered(self.ticket)
+        return self.ticket.aborted
 
 
 class GenerationGate:

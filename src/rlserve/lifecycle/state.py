@@ -20,7 +20,7 @@ from rlserve.errors import (
     WeightsInconsistent,
     WrongState,
 )
-from rlserve.types import EngineStatus, PauseMode, PausePhase, RlCapabilities, SleepTag
+from rlserve.types import EngineStatus, FrontendStatus, PauseMode, PausePhase, RlCapabilities, SleepTag
 
 DEFAULT_WEIGHT_VERSION = "default"
 # A label, not a payload: it travels on every output's version spans and in the audit ring.
@@ -90,6 +90,7 @@ class LifecycleSnapshot:
     weight_dtype: str = ""
     # Updates are built beside the served weights: an abort or failure leaves them intact.
     stages_updates: bool = False
+    frontends: tuple[FrontendStatus, ...] = ()
 
 
 def is_stronger(requested: PauseMode, state: LifecycleState) -> bool:

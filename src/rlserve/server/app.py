@@ -24,12 +24,14 @@ from grpc_health.v1 import health, health_pb2
 from rlserve.config import ServeConfig, is_loopback
 from rlserve.engine.adapter import EngineAdapter
 from rlserve.errors import RlserveError
+from rlserve.frontends.follower import FollowerLifecycle, LeaderLink
 from rlserve.lifecycle.controller import LifecycleController
 from rlserve.lifecycle.state import LifecycleState
 from rlserve.model_cache import default_model_dir
 from rlserve.server import listeners
 from rlserve.server.backend import EngineSlot
 from rlserve.server.control import ControlServicer
+from rlserve.server.frontends import Frontends
 from rlserve.server.inference import InferenceServicer
 from rlserve.server.lifecycle import LifecycleServicer
 from rlserve.server.metrics import Metrics, MetricsEndpoint
@@ -43,10 +45,14 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 
 class RlserveServer:
-    def __init__(self, config: ServeConfig) -> None:
+    """`inference_only`: a following frontend process of a server with several (see
+    `rlserve.server.frontends`): vllm.Inference and its reads only, admitted by the leader."""
+
+    def __init__(self, config: ServeConfig, inference_only: bool = False) -> None:
         self.config = config
         self.slot = EngineSlot()
         self._owns_engine = False
+        self._frontends: Frontends | None = None
         self._health = health.aio.HealthServicer()
         self._health_task: asyncio.Task[None] | None = None
         self.metrics = Metrics()
@@ -64,7 +70,7 @@ class RlserveServer:
             health=self._health,
         )
         self._listenings = listeners.build(
-            config, servicers, self.credentials, self._record_refusal, self.metrics.observe_rpc
+            config, servicers, self.credentials, self._record_refusal, self.metrics.observe_rpc, inference_only
         )
 
     @property
@@ -102,9 +108,29 @@ class RlserveServer:
         while the default model is converted, the first time)."""
         if self.config.engine.is_default_model:
             await asyncio.to_thread(default_model_dir, Path(self.config.engine.model))
-        engine = await asyncio.to_thread(EngineAdapter.start, self.config.engine)
+        if self.config.num_frontends > 1:
+            self._frontends = Frontends(self.config)
+            engine = await self._frontends.launch_engine()
+        else:
+            engine = await asyncio.to_thread(EngineAdapter.start, self.config.engine)
         self._owns_engine = True
         await self.attach_engine(engine)
+        if self._frontends is not None:
+            await self._frontends.start(self.slot.lifecycle, engine, self.port, _inference_serving)
+
+    async def attach_follower(self, engine: EngineAdapter, link: LeaderLink) -> None:
+        """Serve as a following frontend: generation admitted by the leader over `link`."""
+        self._owns_engine = True
+        self.slot.set(engine, FollowerLifecycle(engine, link))
+        engine.monitor.on_dead(self._engine_died)
+        engine.monitor.start()
+        await self._set_health(SERVING)
+
+        def serving(is_serving: bool) -> None:
+            asyncio.ensure_future(self._set_inference_health(is_serving))
+
+        link.on_serving = serving
+        await self._set_inference_health(link.is_serving)
 
     async def attach_engine(self, engine: EngineAdapter) -> None:
         """Serve an engine started elsewhere (tests share one); stop() will not shut it down."""
@@ -133,8 +159,11 @@ class RlserveServer:
             now = _inference_serving(state)
             if now != serving:
                 serving = now
-                for name in listeners.INFERENCE_SERVICES:
-                    await self._health.set(name, SERVING if now else NOT_SERVING)
+                await self._set_inference_health(now)
+
+    async def _set_inference_health(self, is_serving: bool) -> None:
+        for name in listeners.INFERENCE_SERVICES:
+            await self._health.set(name, SERVING if is_serving else NOT_SERVING)
 
     def _engine_died(self, reason: str) -> None:
         self.metrics.engine_died()
@@ -164,6 +193,8 @@ class RlserveServer:
         self._stop_following()
         await self._health.enter_graceful_shutdown()
         stopping = [asyncio.ensure_future(listening.server.stop(grace)) for listening in self._listenings]
+        if self._frontends is not None:  # the other frontends drain alongside, for as long
+            stopping.append(asyncio.ensure_future(self._frontends.stop(grace)))
         lifecycle = self.slot.lifecycle_or_none
         if lifecycle is not None and grace > 0:
             # Shortly before the grace ends, what still runs or is held ends ABORTED: a terminal
@@ -182,6 +213,8 @@ class RlserveServer:
         if engine is not None and self._owns_engine:
             await engine.close()
             await asyncio.to_thread(engine.shutdown)
+        if self._frontends is not None:
+            await asyncio.to_thread(self._frontends.shutdown_engine)
 
     def _stop_following(self) -> None:
         if self._health_task is not None:
@@ -207,7 +240,7 @@ async def serve(config: ServeConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, server.reload_credentials)
-    orphan_watch = asyncio.create_task(_set_when_orphaned(stop)) if config.exit_with_parent else None
+    orphan_watch = asyncio.create_task(set_when_orphaned(stop)) if config.exit_with_parent else None
     engine_task = asyncio.create_task(server.start_engine())
     stop_task = asyncio.create_task(stop.wait())
     try:
@@ -226,7 +259,7 @@ async def serve(config: ServeConfig) -> None:
         await server.stop()
 
 
-async def _set_when_orphaned(stop: asyncio.Event, every_s: float = 0.5) -> None:
+async def set_when_orphaned(stop: asyncio.Event, every_s: float = 0.5) -> None:
     """Set `stop` once the process that started this one has exited (this process is then
     re-parented, so its parent id changes)."""
     parent = os.getppid()

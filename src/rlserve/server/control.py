@@ -49,7 +49,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     @translate_errors
     async def ListLoras(self, request: pb.ListLorasRequest, context: Ctx) -> pb.ListLorasResponse:
-        return pb.ListLorasResponse(adapters=[convert.lora_adapter(a) for a in self._slot.lifecycle.loras()])
+        return pb.ListLorasResponse(adapters=[convert.lora_adapter(a) for a in await self._slot.lifecycle.list_loras()])
 
     @translate_errors
     async def GetKvEventSources(self, request: pb.GetKvEventSourcesRequest, context: Ctx):

@@ -53,7 +53,9 @@ class Listening:
     port: int = 0
 
 
-def plan(config: ServeConfig) -> list[tuple[str, Listener]]:
+def plan(config: ServeConfig, inference_only: bool = False) -> list[tuple[str, Listener]]:
+    if inference_only:  # a following frontend process (the leader serves the control plane)
+        return [(config.address, Listener.INFERENCE)]
     if not config.control_address:
         return [(config.address, Listener.ALL)]
     return [(config.address, Listener.INFERENCE), (config.control_address, Listener.CONTROL)]
@@ -76,6 +78,7 @@ def build(
     credentials: CredentialSource | None,
     record: Callable[[str, str, str], None],
     observe: Callable[[str, str, float], None],
+    inference_only: bool = False,
 ) -> list[Listening]:
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -88,7 +91,7 @@ def build(
         ("grpc.server.max_pending_requests_hard_limit", 4 * max(config.max_held_requests, 1024)),
     ]
     listenings = []
-    for address, kind in plan(config):
+    for address, kind in plan(config, inference_only):
         interceptor = AccessInterceptor(
             listener=kind,
             credentials=credentials,

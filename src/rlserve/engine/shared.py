@@ -1,0 +1,99 @@
+"""One vLLM engine core for several frontend processes, as `vllm serve --api-server-count N`
+lays them out: the leading process binds one input and one output socket per frontend,
+launches the engine core (it connects to all of them), and each frontend process makes its
+`AsyncLLM` on its own pair (`client_index`). The engine routes each request's outputs to the
+frontend that sent it; pause, abort and the weight transport act on the whole engine.
+
+Owns the launch and the engine processes' lifetime; not the frontend processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm import AsyncEngineArgs
+from vllm.usage.usage_lib import UsageContext
+from vllm.v1.engine.utils import bind_engine_zmq_listeners, launch_core_engines
+from vllm.v1.executor import Executor
+
+from rlserve.engine.process_group import engine_in_own_group
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FrontendClient:
+    """What frontend `index` of `count` needs to reach the engine (its sockets travel to a
+    spawned process with it)."""
+
+    index: int
+    count: int
+    addresses: dict[str, Any]
+
+
+def configure(args: AsyncEngineArgs, count: int, index: int) -> Any:
+    """The vLLM config of frontend `index` of `count` (-1: the launcher)."""
+    args._api_process_count = count
+    args._api_process_rank = index
+    return args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+
+
+class SharedEngine:
+    """The engine processes launched for `count` frontends, and their sockets."""
+
+    def __init__(self, args: AsyncEngineArgs, count: int, log_stats: bool) -> None:
+        self.vllm_config = configure(args, count, -1)
+        # Kept: collecting it closes every socket and removes their paths.
+        self._listeners = listeners = bind_engine_zmq_listeners(self.vllm_config, count)
+        with engine_in_own_group():
+            with launch_core_engines(
+                self.vllm_config, Executor.get_class(self.vllm_config), log_stats, listeners.addresses
+            ) as launch:
+                pass  # the block's end waits for the engine to start
+        self._manager = launch.engine_manager
+        self._coordinator = launch.coordinator
+        stats = self._coordinator.get_stats_publish_address() if self._coordinator is not None else None
+        self.clients = [
+            FrontendClient(
+                index,
+                count,
+                {
+                    "input_address": inputs.address,
+                    "output_address": outputs.address,
+                    "input_listener": inputs.socket,
+                    "output_listener": outputs.socket,
+                    "client_count": count,
+                    "client_index": index,
+                    **({"stats_update_address": stats} if stats else {}),
+                },
+            )
+            for index, (inputs, outputs) in enumerate(zip(listeners.inputs, listeners.outputs, strict=True))
+        ]
+        self._closing = threading.Event()
+
+    def watch(self, on_exit: Callable[[str], None]) -> None:
+        """`on_exit(reason)` from a thread of its own once an engine process exits unasked
+        (an engine client with engines it did not launch does not notice that itself)."""
+        sentinels = self._manager.sentinels() if self._manager is not None else []
+
+        def wait() -> None:
+            from multiprocessing.connection import wait as wait_for
+
+            wait_for(sentinels)
+            if not self._closing.is_set():
+                on_exit("the engine core process exited; restart the server")
+
+        if sentinels:
+            threading.Thread(target=wait, name="rlserve-engine-watch", daemon=True).start()
+
+    def shutdown(self) -> None:
+        self._closing.set()
+        if self._manager is not None:
+            self._manager.shutdown()
+        if self._coordinator is not None:
+            self._coordinator.shutdown()
+        self._listeners.cleanup()

@@ -1,0 +1,146 @@
+"""What the frontend processes of one server say to each other: typed messages (msgspec
+structs) framed on a local stream socket. The leading frontend owns the lifecycle; every
+other one asks it to admit each request (held while paused, its LoRA adapter pinned), says
+when the engine has it and when it ended, and hears aborts and whether inference serves.
+No grpc, no engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import msgspec
+
+from rlserve import errors
+from rlserve.types import LoraAdapter
+
+FRAME = struct.Struct("!I")
+MAX_FRAME_BYTES = 16 << 20
+
+
+# A following frontend to the leader -------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag=True, frozen=True):
+    index: int
+    pid: int
+
+
+class Admit(msgspec.Struct, tag=True, frozen=True):
+    """Admit request `seq` of this frontend (its client's id, for Abort by id)."""
+
+    seq: int
+    request_id: str
+    num_bytes: int
+    lora_name: str = ""
+
+
+class Entered(msgspec.Struct, tag=True, frozen=True):
+    """The engine has request `seq` under `internal_id` ("": submitting it failed)."""
+
+    seq: int
+    internal_id: str
+
+
+class Ended(msgspec.Struct, tag=True, frozen=True):
+    """Request `seq` is over (also one the caller left while it was held)."""
+
+    seq: int
+
+
+class ListLoras(msgspec.Struct, tag=True, frozen=True):
+    seq: int
+
+
+class Record(msgspec.Struct, tag=True, frozen=True):
+    """A call this frontend refused (access control), for the one audit log."""
+
+    operation: str
+    detail: str
+    outcome: str
+
+
+# The leader to a following frontend -------------------------------------------------------
+
+
+class Admitted(msgspec.Struct, tag=True, frozen=True):
+    """Go ahead with request `seq` (with this adapter), or end it unrun when `aborted`."""
+
+    seq: int
+    aborted: bool = False
+    lora: LoraAdapter | None = None
+
+
+class Refused(msgspec.Struct, tag=True, frozen=True):
+    """Request `seq` (an admission or a query) ends with this domain error."""
+
+    seq: int
+    kind: str
+    message: str
+
+
+class Loras(msgspec.Struct, tag=True, frozen=True):
+    seq: int
+    adapters: tuple[LoraAdapter, ...]
+
+
+class AbortRequests(msgspec.Struct, tag=True, frozen=True):
+    """Abort these requests by the clients' ids (or vLLM's internal ids when `internal`)."""
+
+    request_ids: tuple[str, ...]
+    internal: bool = False
+
+
+class Serving(msgspec.Struct, tag=True, frozen=True):
+    """Whether vllm.Inference serves (not paused, not asleep): what health reports."""
+
+    is_serving: bool
+
+
+Message = Hello | Admit | Entered | Ended | ListLoras | Record | Admitted | Refused | Loras | AbortRequests | Serving
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def frame(message: Message) -> bytes:
+    body = _encoder.encode(message)
+    return FRAME.pack(len(body)) + body
+
+
+async def read_message(reader: asyncio.StreamReader) -> Message | None:
+    """The next message; None at the end of the stream (the peer is gone)."""
+    try:
+        header = await reader.readexactly(FRAME.size)
+        (size,) = FRAME.unpack(header)
+        if size > MAX_FRAME_BYTES:
+            raise ConnectionError(f"a frame of {size} bytes from a frontend: the stream is corrupt")
+        return _decoder.decode(await reader.readexactly(size))
+    except (asyncio.IncompleteReadError, ConnectionResetError):
+        return None
+
+
+# Domain errors cross as a kind and their message, and come back as the same kind of error (so
+# the same status code): most specific first.
+_KINDS: tuple[tuple[str, type[errors.RlserveError]], ...] = (
+    ("invalid", errors.InvalidRequest),
+    ("capability", errors.CapabilityMissing),
+    ("not_found", errors.NotFound),
+    ("wrong_state", errors.WrongState),
+    ("conflict", errors.ConcurrentChange),
+    ("overloaded", errors.Overloaded),
+    ("unavailable", errors.EngineUnavailable),
+)
+
+
+def refusal(seq: int, error: errors.RlserveError) -> Refused:
+    kind = next((name for name, cls in _KINDS if isinstance(error, cls)), "unavailable")
+    return Refused(seq, kind, str(error))
+
+
+def error_of(refused: Refused) -> errors.RlserveError:
+    cls = dict(_KINDS).get(refused.kind, errors.EngineUnavailable)
+    if cls is errors.InvalidRequest:
+        return errors.InvalidRequest("", refused.message)  # the message names the field
+    return cls(refused.message)

@@ -1,0 +1,208 @@
+"""`rlserve serve --frontends 2`: two frontend processes over one engine, both serving
+vllm.Inference on one port (the kernel spreads connections over them), one lifecycle. A pause
+holds the requests of every process, Abort reaches them all, the one audit and GetState see
+both; a frontend killed outright leaves nothing running in the engine and the other serves
+on; SIGTERM drains every process's streams and leaves no process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+
+from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
+from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
+from rlserve.api.vllm import control_pb2 as cpb
+from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
+from rlserve.api.vllm import inference_pb2 as pb
+from rlserve.launch import ServerProcess, free_port
+
+from conftest import eventually
+from helpers import long_request, read_rest
+
+# Connections each land on one process; with this many, both get some (all on one: 2^-15).
+NUM_CHANNELS = 16
+LENGTH, ABORTED = pb.FinishInfo.LENGTH, pb.FinishInfo.ABORTED
+
+
+class Frontends:
+    """A running `--frontends 2` server: its inference channels (each its own connection) and
+    a control channel."""
+
+    def __init__(self, server: ServerProcess, control_target: str) -> None:
+        self.server = server
+        # A channel of its own per connection: grpc would otherwise share one.
+        self.channels = [
+            grpc.aio.insecure_channel(server.target, options=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(NUM_CHANNELS)
+        ]
+        self.inference = [inference_pb2_grpc.InferenceStub(ch) for ch in self.channels]
+        self.control_channel = grpc.aio.insecure_channel(control_target)
+        self.control = control_pb2_grpc.ControlStub(self.control_channel)
+        self.lifecycle = lifecycle_pb2_grpc.LifecycleStub(self.control_channel)
+
+    async def state(self) -> lpb.LifecycleState:
+        return await self.lifecycle.GetState(lpb.GetStateRequest())
+
+    async def open_requests(self) -> list[int]:
+        return [f.num_open_requests for f in (await self.state()).frontends]
+
+    async def close(self) -> None:
+        for ch in (*self.channels, self.control_channel):
+            await ch.close()
+
+
+@contextlib.asynccontextmanager
+async def frontends_server(model: Path, tmp_path: Path, *extra: str) -> AsyncIterator[Frontends]:
+    control = f"127.0.0.1:{free_port()}"
+    args = ["--model", str(model), "--frontends", "2", "--control-address", control]
+    args += ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", "0.5", *extra]
+    server = ServerProcess(args, log_path=tmp_path / "server.log")
+    fronts = None
+    try:
+        await asyncio.to_thread(server.wait_serving, 300)
+        fronts = Frontends(server, control)
+
+        async def both_joined() -> bool:
+            return len((await fronts.state()).frontends) == 2
+
+        await eventually(both_joined, timeout_s=120)
+        yield fronts
+    finally:
+        if fronts is not None:
+            await fronts.close()
+        if server.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
+            server.process.wait()
+
+
+@pytest.fixture(scope="module")
+async def fronts(tiny_model_dir, tmp_path_factory):
+    async with frontends_server(tiny_model_dir, tmp_path_factory.mktemp("frontends")) as f:
+        yield f
+
+
+async def generate_on_every_channel(fronts: Frontends, max_new_tokens: int = 8) -> list[pb.GenerateResponse]:
+    return await asyncio.gather(
+        *(s.Generate(long_request(f"Request {i}:", max_new_tokens)) for i, s in enumerate(fronts.inference))
+    )
+
+
+async def test_both_frontends_serve_and_answer_for_one_server(fronts):
+    before = {f.index: f.num_requests for f in (await fronts.state()).frontends}
+    replies = await generate_on_every_channel(fronts)
+    assert [r.outputs.finish_info.finish_reason for r in replies] == [LENGTH] * NUM_CHANNELS
+    state = await fronts.state()
+    served = {f.index: f.num_requests - before[f.index] for f in state.frontends}
+    assert sorted(served) == [0, 1] and all(served.values()), served
+    assert sum(served.values()) == NUM_CHANNELS
+    pids = {f.pid for f in state.frontends}
+    assert fronts.server.pid in pids and len(pids) == 2
+    # Either process answers the inference address's reads as the one server it is.
+    infos = await asyncio.gather(
+        *(control_pb2_grpc.ControlStub(ch).GetServerInfo(cpb.GetServerInfoRequest()) for ch in fronts.channels)
+    )
+    assert len({i.SerializeToString() for i in infos}) == 1
+
+
+async def test_a_pause_holds_the_requests_of_every_frontend(fronts):
+    await fronts.control.PauseGeneration(cpb.PauseGenerationRequest(mode=cpb.PAUSE_MODE_KEEP))
+    try:
+        calls = [
+            asyncio.ensure_future(s.Generate(long_request(f"Held {i}:", 8))) for i, s in enumerate(fronts.inference)
+        ]
+
+        async def all_held() -> bool:
+            return (await fronts.state()).num_held_requests == NUM_CHANNELS
+
+        await eventually(all_held, timeout_s=30)
+        assert not any(c.done() for c in calls)
+        assert all(await fronts.open_requests()), "each process holds some of them"
+    finally:
+        await fronts.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+    replies = await asyncio.gather(*calls)
+    assert [r.outputs.num_tokens for r in replies] == [8] * NUM_CHANNELS
+    assert (await fronts.state()).num_held_requests == 0
+
+
+async def test_abort_by_id_reaches_requests_in_every_frontend(fronts):
+    calls = []
+    for i, stub in enumerate(fronts.inference):
+        request = long_request(f"Story {i}:", 400)
+        request.request_id = f"frontends-{i}"
+        calls.append(stub.GenerateStream(request))
+    await asyncio.gather(*(c.read() for c in calls))  # every one is running
+    assert all(await fronts.open_requests())
+    await fronts.control.Abort(cpb.AbortRequest(request_ids=[f"frontends-{i}" for i in range(NUM_CHANNELS)]))
+    lasts = [(await read_rest(c))[-1].outputs for c in calls]
+    assert [o.finish_info.finish_reason for o in lasts] == [ABORTED] * NUM_CHANNELS
+    assert all(o.finish_info.num_output_tokens < 400 for o in lasts)
+    assert await fronts.open_requests() == [0, 0]
+
+
+async def test_a_refusal_on_the_other_frontend_lands_in_the_one_audit(fronts):
+    """Control's mutations are not served on the inference address, by either process; each
+    refusal is audited by frontend 0."""
+    codes = []
+    for channel in fronts.channels:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await control_pb2_grpc.ControlStub(channel).ResumeGeneration(cpb.ResumeGenerationRequest())
+        codes.append(e.value.code())
+    assert set(codes) == {grpc.StatusCode.PERMISSION_DENIED}
+    audit = (await fronts.state()).recent_mutations
+    refusals = [a for a in audit if a.operation == "ResumeGeneration"]
+    assert len(refusals) >= NUM_CHANNELS
+    assert any("(frontend 1)" in a.detail for a in refusals)
+
+
+async def test_a_killed_frontend_leaves_nothing_running_and_the_other_serves_on(fronts):
+    """Last in the module: it kills frontend 1."""
+    calls = [s.GenerateStream(long_request(f"Killed {i}:", 400)) for i, s in enumerate(fronts.inference)]
+    await asyncio.gather(*(c.read() for c in calls))
+    follower = next(f for f in (await fronts.state()).frontends if f.index == 1)
+    assert follower.num_open_requests > 0
+    os.kill(follower.pid, signal.SIGKILL)
+    outcomes = await asyncio.gather(*(read_rest(c) for c in calls), return_exceptions=True)
+    lost = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+    assert len(lost) == follower.num_open_requests
+    assert {e.code() for e in lost} == {grpc.StatusCode.UNAVAILABLE}
+    # The leader's own streams run to their end.
+    finished = [o[-1].outputs.finish_info for o in outcomes if not isinstance(o, BaseException)]
+    assert {f.finish_reason for f in finished} == {LENGTH}
+
+    async def only_the_leader() -> bool:
+        return [f.index for f in (await fronts.state()).frontends] == [0]
+
+    await eventually(only_the_leader, timeout_s=10)
+
+    async def engine_idle() -> bool:
+        load = await fronts.lifecycle.GetLoad(lpb.GetLoadRequest())
+        return load.num_outstanding_requests == 0
+
+    # The dead frontend's requests were aborted in the engine (they would run on for 400 tokens).
+    await eventually(engine_idle, timeout_s=10)
+    assert not psutil.pid_exists(follower.pid) or psutil.Process(follower.pid).status() == psutil.STATUS_ZOMBIE
+    replies = await generate_on_every_channel(fronts)
+    assert {r.outputs.finish_info.finish_reason for r in replies} == {LENGTH}
+
+
+async def test_sigterm_drains_every_frontend_and_leaves_no_process(tiny_model_dir, tmp_path):
+    async with frontends_server(tiny_model_dir, tmp_path, "--shutdown-grace-s", "30") as fronts:
+        processes = psutil.Process(fronts.server.pid).children(recursive=True)
+        calls = [s.GenerateStream(long_request(f"Drained {i}:", 150)) for i, s in enumerate(fronts.inference)]
+        await asyncio.gather(*(c.read() for c in calls))
+        assert all(await fronts.open_requests())
+        os.kill(fronts.server.pid, signal.SIGTERM)
+        lasts = [(await read_rest(c))[-1].outputs.finish_info for c in calls]
+        assert {f.finish_reason for f in lasts} == {LENGTH}
+        assert await asyncio.to_thread(fronts.server.process.wait, 60) == 0
+        _, alive = psutil.wait_procs(processes, timeout=15)
+        assert not alive, alive
