@@ -30,6 +30,8 @@ from rlserve.launch import free_port  # noqa: F401 - the benchmarks take their p
 
 # Process titles vLLM gives its engine processes; every other descendant is a helper.
 ENGINE_PROCESS_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
+# rlserve's further frontend processes (`rlserve serve --frontends N`), counted as frontend.
+FRONTEND_PROCESS_TITLES = ("rlserve::frontend",)
 STOP_GRACE_S = 20.0
 READY_TIMEOUT_S = 600.0
 
@@ -60,42 +62,62 @@ def machine_cpu_s() -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class CpuSnapshot:
-    frontend_s: float
+    frontends: dict[int, float]  # pid -> CPU s of each frontend process (rlserve --frontends: several)
     engine_s: float
     helper_s: float
+
+    @property
+    def frontend_s(self) -> float:
+        return sum(self.frontends.values())
+
+    @property
+    def busiest_frontend_s(self) -> float:
+        """The one frontend process that used the most: the first to run out of its core."""
+        return max(self.frontends.values(), default=0.0)
 
     def as_tuple(self) -> tuple[float, float, float]:
         return self.frontend_s, self.engine_s, self.helper_s
 
     def minus(self, before: CpuSnapshot) -> CpuSnapshot:
         return CpuSnapshot(
-            self.frontend_s - before.frontend_s,
+            {pid: s - before.frontends.get(pid, 0.0) for pid, s in self.frontends.items()},
             self.engine_s - before.engine_s,
             self.helper_s - before.helper_s,
         )
 
 
 def is_engine_process(proc: psutil.Process) -> bool:
+    return _titled(proc, ENGINE_PROCESS_TITLES)
+
+
+def is_frontend_process(proc: psutil.Process) -> bool:
+    return _titled(proc, FRONTEND_PROCESS_TITLES)
+
+
+def _titled(proc: psutil.Process, titles: tuple[str, ...]) -> bool:
     try:
         title = " ".join(proc.cmdline()) or proc.name()
     except psutil.Error:
         return False
-    return any(t in title for t in ENGINE_PROCESS_TITLES)
+    return any(t in title for t in titles)
 
 
 def cpu_snapshot(frontend: psutil.Process) -> CpuSnapshot:
-    """CPU of the frontend process, of its vLLM engine descendants, and of any other descendants
-    (vllm-rs's Python launcher, multiprocessing's resource tracker)."""
-    engine = helper = 0.0
+    """CPU of the frontend process (and of rlserve's further frontend processes under it), of its
+    vLLM engine descendants, and of any other descendants (vllm-rs's Python launcher,
+    multiprocessing's resource tracker)."""
+    frontends, engine, helper = {frontend.pid: cpu_s(frontend)}, 0.0, 0.0
     for child in frontend.children(recursive=True):
         try:
             if is_engine_process(child):
                 engine += cpu_s(child)
+            elif is_frontend_process(child):
+                frontends[child.pid] = cpu_s(child)
             else:
                 helper += cpu_s(child)
         except psutil.NoSuchProcess:
             continue
-    return CpuSnapshot(cpu_s(frontend), engine, helper)
+    return CpuSnapshot(frontends, engine, helper)
 
 
 def describe_tree(frontend: psutil.Process) -> list[str]:
@@ -103,7 +125,7 @@ def describe_tree(frontend: psutil.Process) -> list[str]:
     out = []
     for child in frontend.children(recursive=True):
         try:
-            kind = "engine" if is_engine_process(child) else "helper"
+            kind = "engine" if is_engine_process(child) else "frontend" if is_frontend_process(child) else "helper"
             out.append(f"{kind}: {' '.join(child.cmdline()).strip()[:80] or child.name()}")
         except psutil.Error:
             continue

@@ -10,6 +10,9 @@ The legs, one engine at a time:
             (the same three workloads as SamplingParams: detokenize off, on, FINAL_ONLY+logprobs)
   rlserve   `rlserve serve`, driven over gRPC from this process
   rlserve_nostats  the same with --disable-log-stats (no GetLoad figures, no vllm:* metrics)
+  rlserve_frontends_N  `rlserve serve --frontends N` (N = 1, 2), a connection per request (the
+            kernel spreads them over the processes); their CPU counted together, capacity by the
+            busiest process
   vllm_http vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`), streaming
             /v1/completions (stream_text only: that API always returns text)
   vllm_rs   vLLM's Rust frontend (`vllm-rs serve --grpc-port`), the same gRPC client
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import itertools
 import json
 import os
 import sys
@@ -54,7 +58,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common
 
-LEGS = ("asyncllm", "rlserve", "rlserve_nostats", "vllm_http", "vllm_rs", "grpc_floor")
+FRONTEND_LEGS = ("rlserve_frontends_1", "rlserve_frontends_2")
+LEGS = ("asyncllm", "rlserve", "rlserve_nostats", *FRONTEND_LEGS, "vllm_http", "vllm_rs", "grpc_floor")
 WORKLOADS = ("stream_ids", "stream_text", "unary_logprobs")
 MAX_MODEL_LEN = 512
 ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager")
@@ -84,6 +89,9 @@ class Run:
     client_cpu_s: float
     foreign_cpu_s: float
     steal_cpu_s: float
+    # Of frontend_cpu_s, the frontend process that used the most (the only one, but for
+    # rlserve_frontends_N): the first to run out of its core.
+    busiest_frontend_cpu_s: float = 0.0
 
 
 async def run_workload(
@@ -123,8 +131,11 @@ async def measure(
         latencies, num_tokens, num_messages = (list(column) for column in zip(*results))
         foreign, stolen = busy - busy_before - ours, steal - steal_before
         runs.append(
-            Run(wall_s, sum(num_tokens), sum(num_messages), latencies, *cpu.as_tuple(), client_cpu, foreign, stolen)
-        )
+            Run(
+                wall_s, sum(num_tokens), sum(num_messages), latencies, *cpu.as_tuple(), client_cpu, foreign, stolen,
+                cpu.busiest_frontend_s,
+            )
+        )  # fmt: skip
     return runs
 
 
@@ -158,7 +169,7 @@ def summarize(runs: list[Run]) -> dict:
         "latency_p99_s": round(common.percentile(latencies, 99), 3),
         "frontend_cpu_s": per_run_s("frontend_cpu_s"),
         "frontend_cpu_ms_per_token": ms_per_token("frontend_cpu_s"),
-        "frontend_capacity_tokens_per_s": capacity(ms_per_token("frontend_cpu_s")),
+        "frontend_capacity_tokens_per_s": capacity(ms_per_token("busiest_frontend_cpu_s")),
         "messages_per_token": round(sum(r.num_messages for r in runs) / num_tokens, 3),
         "client_cpu_ms_per_token": ms_per_token("client_cpu_s"),
         "engine_cpu_s": per_run_s("engine_cpu_s"),
@@ -169,20 +180,22 @@ def summarize(runs: list[Run]) -> dict:
 
 
 def capacity(cpu_ms_per_token: float) -> float | None:
-    """Tokens per second one core of frontend CPU carries at this cost per token."""
+    """Tokens per second the frontend carries before its busiest process has used a whole core
+    (one process: 1000 / its CPU ms per token; N processes share the tokens)."""
     return round(1000 / cpu_ms_per_token) if cpu_ms_per_token > 0 else None
 
 
 # --- clients -------------------------------------------------------------------------------
 
 
-def grpc_workloads(channel) -> Workloads:
+def grpc_workloads(*channels) -> Workloads:
     """The three workloads as vllm.Inference calls; the same client for rlserve and vllm-rs.
-    A response without what was asked for (text, a logprob per token) fails the run."""
+    Requests take the channels (connections) in turn. A response without what was asked for
+    (text, a logprob per token) fails the run."""
     from rlserve.api.vllm import inference_pb2_grpc
     from rlserve.client import generate_request
 
-    stub = inference_pb2_grpc.InferenceStub(channel)
+    stubs = itertools.cycle([inference_pb2_grpc.InferenceStub(channel) for channel in channels])
 
     def request(prompt: str, max_new_tokens: int, *, text: bool, logprobs: bool = False):
         req = generate_request(
@@ -194,7 +207,7 @@ def grpc_workloads(channel) -> Workloads:
     def streaming(text: bool) -> RequestFn:
         async def one(prompt: str, max_new_tokens: int) -> tuple[float, int, int]:
             start, num_tokens, num_messages, got_text = time.perf_counter(), 0, 0, False
-            async for response in stub.GenerateStream(request(prompt, max_new_tokens, text=text)):
+            async for response in next(stubs).GenerateStream(request(prompt, max_new_tokens, text=text)):
                 num_tokens += response.outputs.num_tokens
                 num_messages += 1
                 got_text = got_text or bool(response.outputs.text)
@@ -206,7 +219,7 @@ def grpc_workloads(channel) -> Workloads:
 
     async def unary_logprobs(prompt: str, max_new_tokens: int) -> tuple[float, int, int]:
         start = time.perf_counter()
-        response = await stub.Generate(request(prompt, max_new_tokens, text=False, logprobs=True))
+        response = await next(stubs).Generate(request(prompt, max_new_tokens, text=False, logprobs=True))
         out = response.outputs
         if len(out.logprobs) != len(out.token_ids) or out.text:
             raise RuntimeError(f"{len(out.token_ids)} tokens with {len(out.logprobs)} logprobs, text {out.text!r}")
@@ -259,6 +272,33 @@ async def grpc_leg(cmd: list[str], port: int, args: argparse.Namespace, log_path
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         return await server_leg(cmd, log_path, common.grpc_serving(channel), grpc_workloads(channel), args)
+
+
+async def frontends_leg(
+    cmd: list[str], port: int, control_port: int, num_frontends: int, args: argparse.Namespace, log_path: Path
+):
+    """rlserve with several frontend processes on one port: a connection per request, so the
+    kernel spreads the requests over the processes as it would a router's connections."""
+    import grpc
+
+    from rlserve.api.rlserve.v1 import lifecycle_pb2, lifecycle_pb2_grpc
+
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) for _ in range(args.num_requests)]
+    control = grpc.aio.insecure_channel(f"127.0.0.1:{control_port}")
+
+    async def all_joined() -> None:
+        await common.grpc_serving(control)
+        state = lifecycle_pb2_grpc.LifecycleStub(control)
+        # No stream says when a frontend joined; bounded by until_ready's timeout.
+        while len((await state.GetState(lifecycle_pb2.GetStateRequest())).frontends) < num_frontends:
+            await asyncio.sleep(0.5)
+
+    try:
+        return await server_leg(cmd, log_path, all_joined(), grpc_workloads(*channels), args)
+    finally:
+        for channel in (*channels, control):
+            await channel.close()
 
 
 async def http_leg(cmd: list[str], port: int, model: str, args: argparse.Namespace, log_path: Path):
@@ -360,6 +400,13 @@ async def run_leg(name: str, args: argparse.Namespace, work_dir: Path, done: dic
             cmd.append("--disable-log-stats")
         runs, tree = await grpc_leg(cmd, port, args, log_path)
         info["frontend"] = "the `python -m rlserve serve` process"
+    elif name.startswith("rlserve_frontends_"):
+        num = int(name.rsplit("_", 1)[1])
+        port, control_port = common.free_port(), common.free_port()
+        cmd = [sys.executable, "-m", "rlserve", "serve", "--model", args.model, "--port", str(port), *ENGINE_FLAGS]
+        cmd += ["--frontends", str(num), "--control-address", f"127.0.0.1:{control_port}"]
+        runs, tree = await frontends_leg(cmd, port, control_port, num, args, log_path)
+        info["frontend"] = f"the {num} rlserve frontend processes together (one connection per request)"
     elif name == "vllm_http":
         port = common.free_port()
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1"]
@@ -415,7 +462,7 @@ def ratios(legs: dict, workload: str) -> dict:
     def div(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a is not None and b else None
 
-    tps, cpu = "tokens_per_s", "frontend_cpu_ms_per_token"
+    tps, cpu, cap = "tokens_per_s", "frontend_cpu_ms_per_token", "frontend_capacity_tokens_per_s"
     return {
         "rlserve_over_vllm_rs_throughput": div(get("rlserve", tps), get("vllm_rs", tps)),
         "rlserve_over_asyncllm_throughput": div(get("rlserve", tps), get("asyncllm", tps)),
@@ -425,6 +472,11 @@ def ratios(legs: dict, workload: str) -> dict:
         "rlserve_stats_over_nostats_cpu_per_token": div(get("rlserve", cpu), get("rlserve_nostats", cpu)),
         "rlserve_over_grpc_floor_cpu_per_token": div(get("rlserve", cpu), get("grpc_floor", cpu)),
         "grpc_floor_over_vllm_rs_cpu_per_token": div(get("grpc_floor", cpu), get("vllm_rs", cpu)),
+        # What a second frontend process buys, with the same client (a connection per request):
+        # capacity (higher is better) and CPU per token in all (lower is better).
+        "frontends_2_over_1_capacity": div(get("rlserve_frontends_2", cap), get("rlserve_frontends_1", cap)),
+        "frontends_2_over_1_cpu_per_token": div(get("rlserve_frontends_2", cpu), get("rlserve_frontends_1", cpu)),
+        "frontends_2_over_1_throughput": div(get("rlserve_frontends_2", tps), get("rlserve_frontends_1", tps)),
     }
 
 

@@ -4,11 +4,9 @@ Lifecycle/GetLoad, against a real engine, server and trainer process."""
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from dataclasses import replace
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
@@ -23,26 +21,13 @@ from helpers import (
     perturbed,
     run_trainer,
     save_weights,
+    scrape,
     serving,
     started_streams,
+    value,
 )
 
 INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """Every sample of /metrics, keyed by (name, sorted labels)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 async def load_until(lifecycle, check, timeout_s: float = 20.0) -> lpb.LoadReport:

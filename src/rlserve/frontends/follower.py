@@ -109,6 +109,9 @@ class LeaderLink:
     def record(self, operation: str, detail: str, outcome: str) -> None:
         self._send(p.Record(operation, detail, outcome))
 
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        self._send(p.Observed(method, code, seconds))
+
     async def loras(self) -> tuple[LoraAdapter, ...]:
         answer = await self._ask(p.ListLoras(next(self._seqs)))
         assert isinstance(answer, p.Loras)

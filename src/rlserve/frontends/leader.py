@@ -46,7 +46,8 @@ class _Follower:
 
 class FrontendHub:
     """`abort_internal(ids)` aborts requests by vLLM's internal ids in the engine whichever
-    frontend submitted them (those of a frontend that vanished)."""
+    frontend submitted them (those of a frontend that vanished); `serving(state)` says whether
+    inference serves; `observe_rpc` counts the other frontends' RPCs with this one's."""
 
     def __init__(
         self,
@@ -54,11 +55,13 @@ class FrontendHub:
         path: str,
         abort_internal: Callable[[list[str]], Awaitable[None]],
         serving: Callable[[LifecycleState], bool],
+        observe_rpc: Callable[[str, str, float], None],
     ) -> None:
         self._lifecycle = lifecycle
         self._path = path
         self._abort_internal = abort_internal
         self._serving = serving
+        self._observe_rpc = observe_rpc
         self._followers: set[_Follower] = set()
         self._server: asyncio.AbstractServer | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -126,6 +129,8 @@ class FrontendHub:
                 request.task.cancel()
         elif isinstance(message, p.ListLoras):
             follower.send(p.Loras(message.seq, self._lifecycle.loras()))
+        elif isinstance(message, p.Observed):
+            self._observe_rpc(message.method, message.code, message.seconds)
         elif isinstance(message, p.Record):
             self._lifecycle.record(message.operation, f"{message.detail} (frontend {follower.index})", message.outcome)
         elif isinstance(message, p.Hello):
@@ -146,6 +151,10 @@ class FrontendHub:
         except RlserveError as e:
             follower.requests.pop(message.seq, None)
             follower.send(p.refusal(message.seq, e))
+        except Exception as e:  # a bug here: the request must still get its answer
+            logger.exception("admitting request %r of frontend %d failed", message.request_id, follower.index)
+            follower.requests.pop(message.seq, None)
+            follower.send(p.Refused(message.seq, p.INTERNAL, f"admission failed: {type(e).__name__}: {e}"))
 
     async def _lost(self, follower: _Follower) -> None:
         """A frontend that went away (it exited, or was killed): its held requests leave the

@@ -61,6 +61,14 @@ class Record(msgspec.Struct, tag=True, frozen=True):
     outcome: str
 
 
+class Observed(msgspec.Struct, tag=True, frozen=True):
+    """An RPC this frontend answered, for the one set of metrics."""
+
+    method: str
+    code: str
+    seconds: float
+
+
 # The leader to a following frontend -------------------------------------------------------
 
 
@@ -98,7 +106,20 @@ class Serving(msgspec.Struct, tag=True, frozen=True):
     is_serving: bool
 
 
-Message = Hello | Admit | Entered | Ended | ListLoras | Record | Admitted | Refused | Loras | AbortRequests | Serving
+Message = (
+    Hello
+    | Admit
+    | Entered
+    | Ended
+    | ListLoras
+    | Record
+    | Observed
+    | Admitted
+    | Refused
+    | Loras
+    | AbortRequests
+    | Serving
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -134,12 +155,18 @@ _KINDS: tuple[tuple[str, type[errors.RlserveError]], ...] = (
 )
 
 
+# A bug in rlserve (INTERNAL at the client).
+INTERNAL = "internal"
+
+
 def refusal(seq: int, error: errors.RlserveError) -> Refused:
     kind = next((name for name, cls in _KINDS if isinstance(error, cls)), "unavailable")
     return Refused(seq, kind, str(error))
 
 
 def error_of(refused: Refused) -> errors.RlserveError:
+    if refused.kind == INTERNAL:
+        return errors.RlserveError(refused.message)
     cls = dict(_KINDS).get(refused.kind, errors.EngineUnavailable)
     if cls is errors.InvalidRequest:
         return errors.InvalidRequest("", refused.message)  # the message names the field

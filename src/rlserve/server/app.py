@@ -69,8 +69,15 @@ class RlserveServer:
             lifecycle=LifecycleServicer(self.slot, insecure_control=self.insecure_control),
             health=self._health,
         )
+        # A following frontend counts its RPCs in frontend 0's metrics (attach_follower).
+        self._observe_rpc = self.metrics.observe_rpc
         self._listenings = listeners.build(
-            config, servicers, self.credentials, self._record_refusal, self.metrics.observe_rpc, inference_only
+            config,
+            servicers,
+            self.credentials,
+            self._record_refusal,
+            lambda method, code, seconds: self._observe_rpc(method, code, seconds),
+            inference_only,
         )
 
     @property
@@ -116,11 +123,14 @@ class RlserveServer:
         self._owns_engine = True
         await self.attach_engine(engine)
         if self._frontends is not None:
-            await self._frontends.start(self.slot.lifecycle, engine, self.port, _inference_serving)
+            await self._frontends.start(
+                self.slot.lifecycle, engine, self.port, _inference_serving, self.metrics.observe_rpc
+            )
 
     async def attach_follower(self, engine: EngineAdapter, link: LeaderLink) -> None:
         """Serve as a following frontend: generation admitted by the leader over `link`."""
         self._owns_engine = True
+        self._observe_rpc = link.observe_rpc
         self.slot.set(engine, FollowerLifecycle(engine, link))
         engine.monitor.on_dead(self._engine_died)
         engine.monitor.start()

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 # A following process still there this long after the grace period is killed.
 STOP_MARGIN_S = 5.0
+PROCESS_TITLE = "rlserve::frontend"
 
 
 class Frontends:
@@ -65,11 +66,12 @@ class Frontends:
         engine: EngineAdapter,
         port: int,
         serving: Callable[[LifecycleState], bool],
+        observe_rpc: Callable[[str, str, float], None],
     ) -> None:
         """Listen for the other frontends, then start them on the inference `port`."""
         assert self._engine is not None
         path = str(Path(self._dir.name) / "leader.sock")
-        self._hub = FrontendHub(lifecycle, path, engine.abort_internal, serving)
+        self._hub = FrontendHub(lifecycle, path, engine.abort_internal, serving, observe_rpc)
         await self._hub.start()
         config = replace(self._config, port=port, metrics_port=None, exit_with_parent=True)
         spawn = multiprocessing.get_context("spawn")
@@ -112,7 +114,10 @@ class Frontends:
 
 
 def run_follower(config: ServeConfig, client: FrontendClient, leader_path: str, instance_id: str) -> None:
-    """A following frontend process (multiprocessing's target)."""
+    """A following frontend process (multiprocessing's target), titled `rlserve::frontend-N`."""
+    import setproctitle
+
+    setproctitle.setproctitle(f"{PROCESS_TITLE}-{client.index}")
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [frontend {client.index}]: %(message)s"
     )
