@@ -36,9 +36,10 @@ class Frontends:
     """A running `--frontends 2` server: its inference channels (each its own connection) and
     a control channel."""
 
-    def __init__(self, server: ServerProcess, control_target: str, metrics_port: int) -> None:
+    def __init__(self, server: ServerProcess, control_target: str, metrics_port: int, token: str = "") -> None:
         self.server = server
         self.metrics_port = metrics_port
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         # A channel of its own per connection: grpc would otherwise share one.
         self.channels = [
             grpc.aio.insecure_channel(server.target, options=[("grpc.use_local_subchannel_pool", 1)])
@@ -50,7 +51,7 @@ class Frontends:
         self.lifecycle = lifecycle_pb2_grpc.LifecycleStub(self.control_channel)
 
     async def state(self) -> lpb.LifecycleState:
-        return await self.lifecycle.GetState(lpb.GetStateRequest())
+        return await self.lifecycle.GetState(lpb.GetStateRequest(), metadata=self.metadata)
 
     async def open_requests(self) -> list[int]:
         return [f.num_open_requests for f in (await self.state()).frontends]
@@ -61,7 +62,8 @@ class Frontends:
 
 
 @contextlib.asynccontextmanager
-async def frontends_server(model: Path, tmp_path: Path, *extra: str) -> AsyncIterator[Frontends]:
+async def frontends_server(model: Path, tmp_path: Path, *extra: str, token: str = "") -> AsyncIterator[Frontends]:
+    """`token`: what GetState is called with (a server started with tokens)."""
     control, metrics_port = f"127.0.0.1:{free_port()}", free_port()
     args = ["--model", str(model), "--frontends", "2", "--control-address", control]
     args += ["--metrics-port", str(metrics_port)]
@@ -70,7 +72,7 @@ async def frontends_server(model: Path, tmp_path: Path, *extra: str) -> AsyncIte
     fronts = None
     try:
         await asyncio.to_thread(server.wait_serving, 300)
-        fronts = Frontends(server, control, metrics_port)
+        fronts = Frontends(server, control, metrics_port, token)
 
         async def both_joined() -> bool:
             return len((await fronts.state()).frontends) == 2
@@ -230,11 +232,39 @@ async def test_a_killed_frontend_leaves_nothing_running_and_the_other_serves_on(
     assert {r.outputs.finish_info.finish_reason for r in replies} == {LENGTH}
 
 
-async def test_sigterm_drains_every_frontend_and_leaves_no_process(tiny_model_dir, tmp_path):
-    async with frontends_server(tiny_model_dir, tmp_path, "--shutdown-grace-s", "30") as fronts:
+async def test_sighup_revokes_a_token_in_every_frontend_and_sigterm_drains_them_all(tiny_model_dir, tmp_path):
+    tokens = tmp_path / "tokens"
+    old, new = "read-token-old-0123456789", "read-token-new-0123456789"
+    tokens.write_text(f"read {old} trainer\n")
+    extra = ("--shutdown-grace-s", "30", "--auth-tokens-file", str(tokens))
+    async with frontends_server(tiny_model_dir, tmp_path, *extra, token=old) as fronts:
+
+        async def generate_with(token: str) -> set:
+            bearer = (("authorization", f"Bearer {token}"),)
+            calls = (s.Generate(long_request(f"Auth {i}:", 4), metadata=bearer) for i, s in enumerate(fronts.inference))
+            outcomes = await asyncio.gather(*calls, return_exceptions=True)
+            return {o.code() if isinstance(o, grpc.aio.AioRpcError) else "OK" for o in outcomes}
+
+        assert await generate_with(old) == {"OK"}
+        assert all(f.num_requests for f in (await fronts.state()).frontends)
+        tokens.write_text(f"read {new} trainer\n")
+        os.kill(fronts.server.pid, signal.SIGHUP)  # to frontend 0 alone, as a supervisor would
+
+        async def old_token_refused_everywhere() -> bool:
+            return await generate_with(old) == {grpc.StatusCode.UNAUTHENTICATED}
+
+        await eventually(old_token_refused_everywhere, timeout_s=10)
+        assert await generate_with(new) == {"OK"}
+
+        # SIGTERM while streams run in both processes: they end, then so does every process.
+        bearer = (("authorization", f"Bearer {new}"),)
         processes = psutil.Process(fronts.server.pid).children(recursive=True)
-        calls = [s.GenerateStream(long_request(f"Drained {i}:", 150)) for i, s in enumerate(fronts.inference)]
+        calls = [
+            s.GenerateStream(long_request(f"Drained {i}:", 150), metadata=bearer)
+            for i, s in enumerate(fronts.inference)
+        ]
         await asyncio.gather(*(c.read() for c in calls))
+        fronts.metadata = bearer
         assert all(await fronts.open_requests())
         os.kill(fronts.server.pid, signal.SIGTERM)
         lasts = [(await read_rest(c))[-1].outputs.finish_info for c in calls]

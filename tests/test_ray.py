@@ -132,6 +132,8 @@ def test_the_servers_end_with_their_driver_however_it_ends(ray_cluster, tiny_mod
                 if demo.poll() is not None or time.monotonic() > deadline:
                     problem = "no step was trained"
                 time.sleep(0.5)
+            # Now every engine process is up (the workers start after the engine core).
+            tree = list({p.pid: p for p in [*tree, *process_tree(server.pid)]}.values())
     finally:
         demo.send_signal(signal.SIGKILL)
         demo.wait()
@@ -150,13 +152,14 @@ def _unread(pipe) -> str:
 
 
 def _engine_under(server: psutil.Process, timeout_s: float) -> tuple[list[psutil.Process], str | None]:
-    """The server's process tree once it holds an engine core (its title is set as it
-    starts), or what the tree held after `timeout_s`."""
+    """The server's process tree once it holds an engine core, or what the tree held after
+    `timeout_s`. The engine core is multiprocessing's spawned child; it titles itself
+    VLLM::EngineCore as it starts, but under Ray it was once seen untitled while it served."""
     deadline = time.monotonic() + timeout_s
     while True:
         tree = process_tree(server.pid)
         names = _names(tree)
-        if any("EngineCor" in name for name in names):
+        if any("EngineCor" in name or "multiprocessing.spawn" in name for name in names):
             return tree, None
         if time.monotonic() > deadline:
             return tree, f"no engine core under the server: {names}"

@@ -94,6 +94,10 @@ class FrontendHub:
                 for follower in self._followers:
                     follower.send(p.Serving(now))
 
+    def pids(self) -> list[int]:
+        """The processes of the frontends that joined."""
+        return [f.pid for f in self._followers if f.index >= 0]
+
     def _statuses(self) -> tuple[FrontendStatus, ...]:
         joined = sorted((f for f in self._followers if f.index >= 0), key=lambda f: f.index)
         return tuple(FrontendStatus(f.index, f.pid, f.num_requests, len(f.requests)) for f in joined)

@@ -192,9 +192,12 @@ class RlserveServer:
         asyncio.get_running_loop().call_later(0.1, self.shutdown_requested.set)
 
     def reload_credentials(self) -> None:
-        """SIGHUP: re-read the tokens file; a file that does not parse keeps the old tokens."""
+        """SIGHUP: re-read the tokens file; a file that does not parse keeps the old tokens.
+        The other frontend processes are told too (each checks its own callers)."""
         if self.credentials is not None:
             self.credentials.reload()
+        if self._frontends is not None:
+            self._frontends.reload_credentials()
 
     async def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, then refuse new RPCs and drain in-flight ones for `grace_s` seconds;

@@ -89,6 +89,13 @@ class Frontends:
             client.addresses["output_listener"].close()
         logger.info("started %d more frontend processes on port %d", len(self._processes), port)
 
+    def reload_credentials(self) -> None:
+        """SIGHUP to every frontend that has joined: it handles the signal by then (one still
+        starting reads the tokens file as it starts)."""
+        for pid in self._hub.pids() if self._hub is not None else ():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGHUP)
+
     async def stop(self, grace_s: float) -> None:
         """Each following process drains its own streams for `grace_s`, as this one does."""
         for process in self._processes:
@@ -134,6 +141,7 @@ async def _follow(config: ServeConfig, client: FrontendClient, leader_path: str,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, server.reload_credentials)
     orphan_watch = asyncio.ensure_future(set_when_orphaned(stop))
     engine = await asyncio.to_thread(EngineAdapter.connect, config.engine, client, None, instance_id)
     link = await LeaderLink.connect(leader_path, client.index)
