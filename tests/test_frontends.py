@@ -22,10 +22,12 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
 from rlserve.api.vllm import inference_pb2 as pb
+from rlserve.client import Client
 from rlserve.launch import ServerProcess, free_port
+from rlserve.trainer import WeightSync
 
 from conftest import eventually
-from helpers import long_request, read_rest, scrape, value
+from helpers import long_request, perturbed, read_rest, scrape, value
 
 # Connections each land on one process; with this many, both get some (all on one: 2^-15).
 NUM_CHANNELS = 16
@@ -38,6 +40,7 @@ class Frontends:
 
     def __init__(self, server: ServerProcess, control_target: str, metrics_port: int, token: str = "") -> None:
         self.server = server
+        self.control_target = control_target
         self.metrics_port = metrics_port
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         # A channel of its own per connection: grpc would otherwise share one.
@@ -65,6 +68,7 @@ class Frontends:
 async def frontends_server(model: Path, tmp_path: Path, *extra: str, token: str = "") -> AsyncIterator[Frontends]:
     """`token`: what GetState is called with (a server started with tokens)."""
     control, metrics_port = f"127.0.0.1:{free_port()}", free_port()
+    extra = ("--weight-transfer-backend", "rlserve_gloo", *extra)
     args = ["--model", str(model), "--frontends", "2", "--control-address", control]
     args += ["--metrics-port", str(metrics_port)]
     args += ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", "0.5", *extra]
@@ -198,6 +202,28 @@ async def test_a_refusal_on_the_other_frontend_lands_in_the_one_audit(fronts):
     refusals = [a for a in audit if a.operation == "ResumeGeneration"]
     assert len(refusals) >= NUM_CHANNELS
     assert any("(frontend 1)" in a.detail for a in refusals)
+
+
+async def test_a_weight_sync_reaches_the_requests_of_every_frontend(fronts, tiny_model_dir):
+    """The trainer's one call (pause KEEP, transfer, commit, resume) through frontend 0's control
+    plane: requests kept in both processes go on under the new weights and say so."""
+    with Client(fronts.control_target) as client:
+        weight_sync = WeightSync(client, timeout_s=60)
+        try:
+            await asyncio.to_thread(weight_sync.init)  # the trainer's rendezvous, before the requests
+            calls = [s.GenerateStream(long_request(f"Synced {i}:", 300)) for i, s in enumerate(fronts.inference)]
+            await asyncio.gather(*(c.read() for c in calls))
+            assert all(await fronts.open_requests())
+            # Verified: the digests of what the engine serves are the trainer's.
+            await asyncio.to_thread(weight_sync.sync, perturbed(tiny_model_dir, seed=5), "frontends-1")
+        finally:
+            weight_sync.close()
+    lasts = [(await read_rest(c))[-1].outputs for c in calls]
+    assert {o.finish_info.finish_reason for o in lasts} == {LENGTH}
+    # Kept across the update in both processes: begun on the old weights, ended on the new.
+    assert {tuple(s.weight_version for s in o.weight_version_spans) for o in lasts} == {("default", "frontends-1")}
+    replies = await generate_on_every_channel(fronts)
+    assert {tuple(s.weight_version for s in r.outputs.weight_version_spans) for r in replies} == {("frontends-1",)}
 
 
 async def test_a_killed_frontend_leaves_nothing_running_and_the_other_serves_on(fronts):
