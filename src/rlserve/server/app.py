@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2
 
 from rlserve.config import ServeConfig, is_loopback
 from rlserve.engine.adapter import EngineAdapter
+from rlserve.engine.shared import FrontendClient
 from rlserve.errors import RlserveError
 from rlserve.frontends.follower import FollowerLifecycle, LeaderLink
 from rlserve.lifecycle.controller import LifecycleController
@@ -31,7 +32,7 @@ from rlserve.model_cache import default_model_dir
 from rlserve.server import listeners
 from rlserve.server.backend import EngineSlot
 from rlserve.server.control import ControlServicer
-from rlserve.server.frontends import Frontends
+from rlserve.server.frontends import PROCESS_TITLE, Frontends
 from rlserve.server.inference import InferenceServicer
 from rlserve.server.lifecycle import LifecycleServicer
 from rlserve.server.metrics import Metrics, MetricsEndpoint
@@ -116,7 +117,7 @@ class RlserveServer:
         if self.config.engine.is_default_model:
             await asyncio.to_thread(default_model_dir, Path(self.config.engine.model))
         if self.config.num_frontends > 1:
-            self._frontends = Frontends(self.config)
+            self._frontends = Frontends(self.config, run_follower)
             engine = await self._frontends.launch_engine()
         else:
             engine = await asyncio.to_thread(EngineAdapter.start, self.config.engine)
@@ -279,4 +280,47 @@ async def set_when_orphaned(stop: asyncio.Event, every_s: float = 0.5) -> None:
     while os.getppid() == parent:
         await asyncio.sleep(every_s)
     logger.warning("the process that started this server (pid %d) exited: shutting down", parent)
+    stop.set()
+
+
+def run_follower(config: ServeConfig, client: FrontendClient, leader_path: str, instance_id: str) -> None:
+    """A following frontend process of a server with several (`Frontends` starts it), titled
+    `rlserve::frontend-N`: vllm.Inference on the shared port, admitted by frontend 0, until
+    SIGINT/SIGTERM, frontend 0's end, or the end of the process that started it."""
+    import setproctitle
+
+    setproctitle.setproctitle(f"{PROCESS_TITLE}-{client.index}")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [frontend {client.index}]: %(message)s"
+    )
+    import uvloop
+
+    uvloop.run(_follow(config, client, leader_path, instance_id))
+
+
+async def _follow(config: ServeConfig, client: FrontendClient, leader_path: str, instance_id: str) -> None:
+    server = RlserveServer(config, inference_only=True)
+    stop = server.shutdown_requested
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, server.reload_credentials)
+    orphan_watch = asyncio.ensure_future(set_when_orphaned(stop))
+    engine = await asyncio.to_thread(EngineAdapter.connect, config.engine, client, None, instance_id)
+    link = await LeaderLink.connect(leader_path, client.index)
+    leader_watch = asyncio.ensure_future(_set_when_lost(link, stop))
+    try:
+        await server.start()
+        await server.attach_follower(engine, link)
+        await stop.wait()
+    finally:
+        orphan_watch.cancel()
+        leader_watch.cancel()
+        await server.stop()
+        link.close()
+
+
+async def _set_when_lost(link: LeaderLink, stop: asyncio.Event) -> None:
+    await link.lost.wait()
+    logger.warning("the leading frontend is gone: shutting down")
     stop.set()

@@ -4,8 +4,8 @@ them, owns the lifecycle, the control plane, the audit and the metrics, and star
 Each following process is its own engine client and gRPC server on the same inference port
 (SO_REUSEPORT: the kernel spreads connections over the processes), and asks the leader to
 admit every request, so a pause holds requests in every process and Abort reaches them all.
-A following process ends with the leader; one that dies has its requests aborted and is
-not replaced (the port stays served by the others).
+A following process (it runs `rlserve.server.app.run_follower`) ends with the leader; one
+that dies has its requests aborted and is not replaced (the port stays served by the others).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 from rlserve.config import ServeConfig
 from rlserve.engine.adapter import EngineAdapter, engine_args
 from rlserve.engine.shared import FrontendClient, SharedEngine
-from rlserve.frontends.follower import LeaderLink
 from rlserve.frontends.leader import FrontendHub
 from rlserve.lifecycle.state import LifecycleState
 
@@ -39,11 +38,17 @@ STOP_MARGIN_S = 5.0
 PROCESS_TITLE = "rlserve::frontend"
 
 
+# What a following process runs: (config, its engine client, the leader's socket, the server's
+# instance id); a module-level function, so that spawn can start it.
+FollowerMain = Callable[[ServeConfig, FrontendClient, str, str], None]
+
+
 class Frontends:
     """The leader's side: the shared engine, the hub the others talk to, their processes."""
 
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, follower_main: FollowerMain) -> None:
         self._config = config
+        self._follower_main = follower_main
         self._engine: SharedEngine | None = None
         self._hub: FrontendHub | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="rlserve-frontends-")
@@ -77,7 +82,7 @@ class Frontends:
         spawn = multiprocessing.get_context("spawn")
         for client in self._engine.clients[1:]:
             process = spawn.Process(
-                target=run_follower,
+                target=self._follower_main,
                 args=(config, client, path, engine.instance_id),
                 name=f"rlserve-frontend-{client.index}",
             )
@@ -118,46 +123,3 @@ class Frontends:
         if self._engine is not None:
             self._engine.shutdown()
         self._dir.cleanup()
-
-
-def run_follower(config: ServeConfig, client: FrontendClient, leader_path: str, instance_id: str) -> None:
-    """A following frontend process (multiprocessing's target), titled `rlserve::frontend-N`."""
-    import setproctitle
-
-    setproctitle.setproctitle(f"{PROCESS_TITLE}-{client.index}")
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [frontend {client.index}]: %(message)s"
-    )
-    import uvloop
-
-    uvloop.run(_follow(config, client, leader_path, instance_id))
-
-
-async def _follow(config: ServeConfig, client: FrontendClient, leader_path: str, instance_id: str) -> None:
-    from rlserve.server.app import RlserveServer, set_when_orphaned
-
-    server = RlserveServer(config, inference_only=True)
-    stop = server.shutdown_requested
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, server.reload_credentials)
-    orphan_watch = asyncio.ensure_future(set_when_orphaned(stop))
-    engine = await asyncio.to_thread(EngineAdapter.connect, config.engine, client, None, instance_id)
-    link = await LeaderLink.connect(leader_path, client.index)
-    leader_watch = asyncio.ensure_future(_set_when_lost(link, stop))
-    try:
-        await server.start()
-        await server.attach_follower(engine, link)
-        await stop.wait()
-    finally:
-        orphan_watch.cancel()
-        leader_watch.cancel()
-        await server.stop()
-        link.close()
-
-
-async def _set_when_lost(link: LeaderLink, stop: asyncio.Event) -> None:
-    await link.lost.wait()
-    logger.warning("the leading frontend is gone: shutting down")
-    stop.set()
