@@ -83,11 +83,11 @@ class LifecycleController:
         self._loras.on_retired = self._retire_later
         self._retiring: set[asyncio.Task[None]] = set()
         self._drain: asyncio.Future[None] | None = None
+        self._drain_then_pause: bool | None = None
         self._abort_forwards: list[Callable[[list[str]], None]] = []
         # This process's generation requests, and the other frontend processes' (a hub's).
         self._num_requests = self._num_open_requests = 0
         self._other_frontends: Callable[[], tuple[FrontendStatus, ...]] = tuple
-        self._drain_then_pause: bool | None = None
         engine.monitor.on_dead(lambda reason: self._gate.fail_all(EngineUnavailable(reason)))
         self.weights = WeightUpdates(
             self._owner,
@@ -233,8 +233,8 @@ class LifecycleController:
         return self._loras.adapters()
 
     async def list_loras(self) -> tuple[LoraAdapter, ...]:
-        """The loaded adapters (a following frontend process asks the leader)."""
-        return self._loras.adapters()
+        """`loras()` as the servicers ask for it (a following frontend process asks the leader)."""
+        return self.loras()
 
     # Pause and resume -------------------------------------------------------------------
 
