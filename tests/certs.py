@@ -1,6 +1,6 @@
 """Test PKI: a CA, a server certificate for 127.0.0.1/localhost, and client certificates
-(with and without a role in their OU, expired, or from a CA the server does not trust),
-written as PEM files into a directory."""
+(with and without a role in their OU, with hostile subjects, expired, or from a CA the server
+does not trust), written as PEM files into a directory."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ class Pem:
     key: Path
 
 
-def _name(cn: str, ou: str | None = None) -> x509.Name:
+def _name(cn: str, ou: str | None = None, *more: x509.NameAttribute) -> x509.Name:
     parts = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
     if ou:
         parts.append(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, ou))
-    return x509.Name(parts)
+    return x509.Name([*parts, *more])
 
 
 def _write(directory: Path, stem: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> Pem:
@@ -56,7 +56,16 @@ class CertificateAuthority:
         )
         self.pem = _write(directory, name, self.cert, self.key)
 
-    def issue(self, stem: str, cn: str, ou: str | None = None, *, server: bool = False, expired: bool = False) -> Pem:
+    def issue(
+        self,
+        stem: str,
+        cn: str,
+        ou: str | None = None,
+        *more: x509.NameAttribute,
+        server: bool = False,
+        expired: bool = False,
+    ) -> Pem:
+        """`more`: further subject attributes (a second OU or CN, an O), in this order."""
         import ipaddress
 
         key = ec.generate_private_key(ec.SECP256R1())
@@ -64,7 +73,7 @@ class CertificateAuthority:
         start, end = (now - 3 * ONE_DAY, now - 2 * ONE_DAY) if expired else (now - ONE_DAY, now + ONE_DAY)
         builder = (
             x509.CertificateBuilder()
-            .subject_name(_name(cn, ou))
+            .subject_name(_name(cn, ou, *more))
             .issuer_name(self.cert.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())

@@ -17,6 +17,8 @@ from pathlib import Path
 import grpc
 import pytest
 from certs import CertificateAuthority
+from cryptography.x509 import NameAttribute as attribute
+from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
@@ -176,6 +178,14 @@ def pki(tmp_path_factory):
         "nobody": ca.issue("nobody", "stranger"),
         "expired": ca.issue("expired", "trainer-2", "rlserve-admin", expired=True),
         "untrusted": other.issue("untrusted", "trainer-3", "rlserve-admin"),
+        # Subjects a CA may sign without noticing what they spell when printed (RFC 2253
+        # escapes the ',' inside a value as '\,'): none of them is admin.
+        "comma_in_cn": ca.issue("comma_in_cn", "mallory,OU=rlserve-admin", "rlserve-read"),
+        "comma_in_cn_alone": ca.issue("comma_in_cn_alone", "mallory,OU=rlserve-admin"),
+        "comma_in_o": ca.issue("comma_in_o", "mallory", "rlserve-read", attribute(NameOID.ORGANIZATION_NAME, "x,OU=rlserve-admin")),
+        "both_roles": ca.issue("both_roles", "eve", "rlserve-read", attribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "rlserve-admin")),
+        "two_names": ca.issue("two_names", "dashboard", "rlserve-read", attribute(NameOID.COMMON_NAME, "trainer-1")),
+        "control_chars": ca.issue("control_chars", "evil\n{\"identity\": \"trainer\"}", "rlserve-read"),
     }
 
 
@@ -188,7 +198,8 @@ def tls(pki, client: str | None) -> ChannelCredentials:
     )
 
 
-async def test_mutual_tls_identities_and_roles(engine, engine_config, pki):
+async def test_mutual_tls_identities_and_roles(engine, engine_config, pki, caplog):
+    caplog.set_level(logging.INFO, logger="rlserve.audit")
     server_pem = pki["server"]
     async with secured(
         engine,
@@ -206,9 +217,25 @@ async def test_mutual_tls_identities_and_roles(engine, engine_config, pki):
             assert "dashboard" in await expect(DENIED, control.ResumeGeneration(cpb.ResumeGenerationRequest()))
         async with stubs(target, tls(pki, "nobody")) as (control, *_):
             await expect(UNAUTHENTICATED, control.IsPaused(cpb.IsPausedRequest()))
+        # A role spelled inside another attribute's value is no role; both roles is the lesser.
+        for client in ("comma_in_cn", "comma_in_o", "both_roles"):
+            async with stubs(target, tls(pki, client)) as (control, _, lifecycle, _):
+                await lifecycle.GetState(lpb.GetStateRequest())
+                assert "has read" in await expect(DENIED, control.ResumeGeneration(cpb.ResumeGenerationRequest()))
+        async with stubs(target, tls(pki, "comma_in_cn_alone")) as (control, *_):
+            await expect(UNAUTHENTICATED, control.ResumeGeneration(cpb.ResumeGenerationRequest()))
+        async with stubs(target, tls(pki, "two_names")) as (control, *_):
+            assert "2 common names" in await expect(UNAUTHENTICATED, control.IsPaused(cpb.IsPausedRequest()))
+        async with stubs(target, tls(pki, "control_chars")) as (control, *_):
+            details = await expect(DENIED, control.ResumeGeneration(cpb.ResumeGenerationRequest()))
+            assert "\n" not in details and "evil\\n" in details
         for client in ("expired", "untrusted", None):  # the handshake itself fails
             async with stubs(target, tls(pki, client)) as (control, *_):
                 await expect(grpc.StatusCode.UNAVAILABLE, control.IsPaused(cpb.IsPausedRequest(), timeout=5))
+    audit = [json.loads(r.getMessage()) for r in caplog.records if r.name == "rlserve.audit"]
+    identities = {line["identity"] for line in audit if line["outcome"] == "PERMISSION_DENIED"}
+    # The parsed common name, escaped: a newline in a CN cannot start a forged log line.
+    assert identities == {"dashboard", "mallory,OU=rlserve-admin", "mallory", "eve", 'evil\\n{"identity": "trainer"}'}
 
 
 async def test_split_listeners_serve_inference_and_control_apart(engine, engine_config, tokens_file, tmp_path):
@@ -297,16 +324,17 @@ async def test_the_sdk_speaks_tokens_and_tls(engine, engine_config, pki, tokens_
 
 
 def test_tokens_file_parsing_never_quotes_a_token():
-    from rlserve.server.auth import Credentials, Role
+    from rlserve.server.auth import CertificateSubject, Credentials, Role
 
     creds = Credentials.parse(
         f"# comment\nadmin {ADMIN_TOKEN} trainer  # trailing\n\nread {READ_TOKEN}\nread cert:dash\n"
     )
     assert creds.for_token(ADMIN_TOKEN).role is Role.ADMIN and creds.for_token(ADMIN_TOKEN).name == "trainer"
     assert creds.for_token(READ_TOKEN).name.startswith("token-") and creds.for_token("x" * 30) is None
-    assert creds.for_certificate("dash", []).role is Role.READ
-    assert creds.for_certificate("anyone", ["rlserve-admin"]).role is Role.ADMIN
-    assert creds.for_certificate("anyone", ["other"]) is None
+    assert creds.for_certificate(CertificateSubject("dash", ())).role is Role.READ
+    assert creds.for_certificate(CertificateSubject("anyone", ("rlserve-admin",))).role is Role.ADMIN
+    assert creds.for_certificate(CertificateSubject("anyone", ("rlserve-admin", "rlserve-read"))).role is Role.READ
+    assert creds.for_certificate(CertificateSubject("anyone", ("other",))) is None
     for bad, why in ((f"root {ADMIN_TOKEN}", "role"), ("admin short", "16 characters"), ("admin", "ROLE TOKEN")):
         with pytest.raises(ValueError, match=why) as e:
             Credentials.parse(bad)

@@ -17,7 +17,17 @@ from google.protobuf import text_format
 from google.protobuf.message import DecodeError
 
 from rlserve.caller import CURRENT, Caller
-from rlserve.server.auth import PUBLIC, Credentials, CredentialSource, Listener, Role, rule_for, served_here
+from rlserve.server.auth import (
+    PUBLIC,
+    CertificateSubject,
+    Credentials,
+    CredentialSource,
+    Listener,
+    Role,
+    printable,
+    rule_for,
+    served_here,
+)
 
 audit_log = logging.getLogger("rlserve.audit")
 
@@ -139,12 +149,15 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
             if scheme.lower() == "bearer" and self._credentials is not None:
                 grant = self._credentials.current.for_token(token.strip())
             return grant, "the bearer token is not valid here"
-        auth = context.auth_context() or {}
-        names = [v.decode() for v in auth.get("x509_common_name", [])]
-        if names:
+        pem = (context.auth_context() or {}).get("x509_pem_cert", [])
+        if pem:
+            try:
+                subject = CertificateSubject.from_pem(pem[0])
+            except ValueError as e:
+                return None, str(e)
             creds = self._credentials.current if self._credentials is not None else NO_CREDENTIALS
-            grant = creds.for_certificate(names[0], _organizational_units(auth))
-            return grant, f"the client certificate {names[0]!r} is not granted a role here"
+            name = printable(subject.common_name)
+            return creds.for_certificate(subject), f"the client certificate '{name}' is not granted a role here"
         return (
             None,
             "this server needs a credential: call metadata 'authorization: Bearer TOKEN', or a client certificate",
@@ -179,17 +192,6 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
             "duration_ms": round(seconds * 1000, 3),
         }
         audit_log.info("%s", json.dumps(line))
-
-
-def _organizational_units(auth: dict) -> list[str]:
-    """OU=... parts of the client certificate's subject, e.g. b'CN=trainer,OU=rlserve-admin'."""
-    units = []
-    for subject in auth.get("x509_subject", []):
-        for part in subject.decode().split(","):
-            key, _, value = part.strip().partition("=")
-            if key == "OU":
-                units.append(value)
-    return units
 
 
 class Undecodable:

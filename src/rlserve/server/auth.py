@@ -166,16 +166,51 @@ class Credentials:
                 found = grant
         return found
 
-    def for_certificate(self, common_name: str, organizational_units: Iterable[str]) -> Grant | None:
+    def for_certificate(self, subject: CertificateSubject) -> Grant | None:
         """A common name listed as `cert:NAME`, or a certificate whose subject carries the role
-        itself as an organizational unit `rlserve-admin` / `rlserve-read` (the CA vouches)."""
-        if common_name in self._subjects:
-            return self._subjects[common_name]
-        units = set(organizational_units)
-        for role in (Role.ADMIN, Role.READ):
+        itself as an organizational unit `rlserve-admin` / `rlserve-read` (the CA vouches). A
+        subject carrying both gets the lesser role: a CA that signed both vouched for read."""
+        if subject.common_name in self._subjects:
+            return self._subjects[subject.common_name]
+        units = set(subject.organizational_units)
+        for role in (Role.READ, Role.ADMIN):
             if f"rlserve-{role.value}" in units:
-                return Grant(role, common_name or "certificate")
+                return Grant(role, printable(subject.common_name) or "certificate")
         return None
+
+
+@dataclass(frozen=True)
+class CertificateSubject:
+    """A client certificate's subject, read attribute by attribute from the certificate itself
+    (never from a printed subject string, where a ',' inside a value looks like a separator)."""
+
+    common_name: str
+    organizational_units: tuple[str, ...]
+
+    @classmethod
+    def from_pem(cls, pem: bytes) -> CertificateSubject:
+        """Raises ValueError for a certificate that does not parse or names no single CN."""
+        from cryptography import x509
+        from cryptography.x509.oid import NameOID
+
+        subject = x509.load_pem_x509_certificate(pem).subject
+        names = [str(a.value) for a in subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+        if len(names) != 1:
+            raise ValueError(f"the client certificate's subject has {len(names)} common names: it needs one")
+        units = tuple(str(a.value) for a in subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME))
+        return cls(names[0], units)
+
+
+# Longest identity kept for logs and the audit: a common name may be 64 characters, a
+# token's name whatever the file says.
+IDENTITY_CHARS = 128
+
+
+def printable(name: str) -> str:
+    """`name` as it may appear in a log line: every character outside printable ASCII, and the
+    backslash, escaped (a newline in a certificate's CN cannot start a forged line)."""
+    escaped = "".join(c if " " <= c <= "~" and c != "\\" else c.encode("unicode_escape").decode() for c in name)
+    return escaped[:IDENTITY_CHARS]
 
 
 def _fingerprint(secret: str) -> str:
