@@ -182,10 +182,14 @@ def pki(tmp_path_factory):
         # escapes the ',' inside a value as '\,'): none of them is admin.
         "comma_in_cn": ca.issue("comma_in_cn", "mallory,OU=rlserve-admin", "rlserve-read"),
         "comma_in_cn_alone": ca.issue("comma_in_cn_alone", "mallory,OU=rlserve-admin"),
-        "comma_in_o": ca.issue("comma_in_o", "mallory", "rlserve-read", attribute(NameOID.ORGANIZATION_NAME, "x,OU=rlserve-admin")),
-        "both_roles": ca.issue("both_roles", "eve", "rlserve-read", attribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "rlserve-admin")),
+        "comma_in_o": ca.issue(
+            "comma_in_o", "mallory", "rlserve-read", attribute(NameOID.ORGANIZATION_NAME, "x,OU=rlserve-admin")
+        ),
+        "both_roles": ca.issue(
+            "both_roles", "eve", "rlserve-read", attribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "rlserve-admin")
+        ),
         "two_names": ca.issue("two_names", "dashboard", "rlserve-read", attribute(NameOID.COMMON_NAME, "trainer-1")),
-        "control_chars": ca.issue("control_chars", "evil\n{\"identity\": \"trainer\"}", "rlserve-read"),
+        "control_chars": ca.issue("control_chars", 'evil\n{"identity": "trainer"}', "rlserve-read"),
     }
 
 

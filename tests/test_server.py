@@ -118,3 +118,37 @@ def pb_inference(channel):
     from rlserve.api.vllm import inference_pb2_grpc
 
     return inference_pb2_grpc.InferenceStub(channel)
+
+
+@pytest.mark.parametrize("service", ["grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"])
+async def test_reflection_answers_under_both_names(channel, service):
+    """grpcurl and grpcui ask v1 first, older clients v1alpha: both list and describe every
+    service, the reflection services themselves included."""
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb
+
+    call = channel.stream_stream(
+        f"/{service}/ServerReflectionInfo",
+        request_serializer=rpb.ServerReflectionRequest.SerializeToString,
+        response_deserializer=rpb.ServerReflectionResponse.FromString,
+    )()
+    await call.write(rpb.ServerReflectionRequest(list_services=""))
+    listed = {s.name for s in (await call.read()).list_services_response.service}
+    assert {"vllm.Inference", "vllm.Control", "rlserve.v1.Lifecycle", "grpc.health.v1.Health", service} <= listed
+    for symbol, method in (
+        ("vllm.Inference", "GenerateStream"),
+        ("grpc.reflection.v1.ServerReflection", "ServerReflectionInfo"),
+    ):
+        await call.write(rpb.ServerReflectionRequest(file_containing_symbol=symbol))
+        answer = await call.read()
+        assert not answer.HasField("error_response"), answer.error_response.error_message
+        files = [
+            descriptor_pb2.FileDescriptorProto.FromString(b)
+            for b in answer.file_descriptor_response.file_descriptor_proto
+        ]
+        package, _, name = symbol.rpartition(".")
+        methods = {m.name for f in files if f.package == package for s in f.service if s.name == name for m in s.method}
+        assert method in methods
+    await call.write(rpb.ServerReflectionRequest(file_containing_symbol="no.such.Service"))
+    assert (await call.read()).error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+    await call.done_writing()

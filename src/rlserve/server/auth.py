@@ -37,7 +37,11 @@ class Listener(enum.Enum):
 
 
 PUBLIC = "public"  # health and reflection: reachable without credentials, on every listener
-PUBLIC_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")
+PUBLIC_SERVICES = (
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1.ServerReflection",
+    "grpc.reflection.v1alpha.ServerReflection",
+)
 
 # Every method of every served service, with what it needs. A method missing here is
 # refused (a test walks every served method and checks it has a rule).

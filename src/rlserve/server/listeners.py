@@ -11,7 +11,6 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2, lifecycle_pb2_grpc
 from rlserve.api.vllm import (
@@ -23,6 +22,7 @@ from rlserve.api.vllm import (
     inference_pb2_grpc,
 )
 from rlserve.config import SecurityConfig, ServeConfig
+from rlserve.server import reflection
 from rlserve.server.access import AccessInterceptor
 from rlserve.server.auth import CredentialSource, Listener
 
@@ -100,7 +100,7 @@ def build(
             observe=observe,
         )
         server = grpc.aio.server(interceptors=[interceptor], options=options)
-        names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        names = [health.SERVICE_NAME]
         if kind is not Listener.CONTROL:
             inference_pb2_grpc.add_InferenceServicer_to_server(servicers.inference, server)
             aliases_pb2_grpc.add_GenerateServicer_to_server(servicers.inference, server)
@@ -113,7 +113,7 @@ def build(
             lifecycle_pb2_grpc.add_LifecycleServicer_to_server(servicers.lifecycle, server)
             names += [RL_CONTROL_ALIAS, LIFECYCLE_SERVICE]
         health_pb2_grpc.add_HealthServicer_to_server(servicers.health, server)
-        reflection.enable_server_reflection(names, server)
+        reflection.enable(names, server)
         listenings.append(Listening(address, kind, server))
     return listenings
 
