@@ -1,11 +1,18 @@
 """Hypothesis strategies for any protobuf request message, built from its descriptor: random
 and boundary values for every field, huge strings and repeated fields, invalid UTF-8 in
 bytes, unknown enum values, and for the JSON payload fields, malformed and deeply nested
-JSON mixed with well-formed objects that use the keys the server knows."""
+JSON mixed with well-formed objects that use the keys the server knows; native sampling params
+are drawn from vLLM's own SamplingParams schema (every field, typed as vLLM declares it), so a
+field vLLM adds is fuzzed without anyone listing it."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import functools
 import json
+import types
+import typing
 from typing import Any
 
 from google.protobuf import descriptor as d
@@ -26,34 +33,6 @@ INTS = {
 }
 # Keys the server reads in each JSON payload, so that generated objects get past "unknown key".
 JSON_KEYS = {
-    "native_sampling_params_json": [
-        "n",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "max_tokens",
-        "min_tokens",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-        "logprobs",
-        "prompt_logprobs",
-        "logit_bias",
-        "allowed_token_ids",
-        "bad_words",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "structured_outputs",
-        "repetition_detection",
-        "skip_special_tokens",
-        "include_stop_str_in_output",
-        "truncate_prompt_tokens",
-        "extra_args",
-        "output_kind",
-    ],
     "init_info_json": ["master_address", "master_port", "rank_offset", "world_size", "timeout_s"],
     "update_info_json": ["names", "dtype_names", "shapes", "checksums", "bucket_bytes"],
 }
@@ -79,9 +58,64 @@ def json_values(max_leaves: int = 12) -> st.SearchStrategy[Any]:
     )
 
 
+# Fields whose values decide how long one example runs: kept small (and some past any limit).
+BOUNDED_NATIVE = {
+    "max_tokens": st.one_of(st.integers(-2, 16), st.sampled_from([0, 2**31, 10**9])),
+    "n": st.one_of(st.integers(-2, 4), st.sampled_from([0, 2**31])),
+}
+
+
+def from_annotation(tp: Any) -> st.SearchStrategy[Any]:
+    """JSON values of the type `tp` (as a SamplingParams field declares it), with boundaries."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is type(None):
+        return st.none()
+    if origin in (typing.Union, types.UnionType):
+        return st.one_of(*(from_annotation(a) for a in args))
+    if tp is bool:
+        return st.booleans()
+    if tp is int:
+        return st.one_of(small_ints(), st.sampled_from([-1, 2**63 - 1, 2**63, -(2**63), 2**64]))
+    if tp is float:
+        return st.one_of(
+            st.floats(allow_nan=False, allow_infinity=False), st.sampled_from([0.0, -1.0, 1.0, 1e-30, 1e30])
+        )
+    if tp is str:
+        return st.one_of(st.text(max_size=12), st.sampled_from(["", "\x00", "x" * 500]))
+    if origin in (list, set, frozenset, tuple):
+        item = from_annotation(args[0]) if args else json_values()
+        return st.one_of(st.lists(item, max_size=5), st.just([]))
+    if origin is dict:
+        key = st.one_of(small_ints().map(str), st.text(max_size=6))  # JSON keys are strings
+        return st.dictionaries(key, from_annotation(args[1]) if args else json_values(), max_size=4)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return st.one_of(st.sampled_from([m.value for m in tp]), st.integers(-2, 9))
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        fields = {f.name: from_annotation(hints[f.name]) for f in dataclasses.fields(tp)}
+        return st.fixed_dictionaries({}, optional=fields)
+    return json_values()  # Any, numpy arrays, what JSON cannot spell exactly
+
+
+@functools.cache
+def native_sampling_params() -> st.SearchStrategy[dict[str, Any]]:
+    """Objects of one to four SamplingParams fields, every field (private ones included: a
+    client may send them), each valued by its declared type."""
+    from vllm import SamplingParams
+
+    hints = typing.get_type_hints(SamplingParams)
+    by_field = {
+        name: BOUNDED_NATIVE.get(name) or from_annotation(hints[name]) for name in SamplingParams.__struct_fields__
+    }
+    keys = st.lists(st.sampled_from(sorted(by_field)), min_size=1, max_size=4, unique=True)
+    return keys.flatmap(lambda chosen: st.fixed_dictionaries({k: by_field[k] for k in chosen}))
+
+
 def json_payload(field: str) -> st.SearchStrategy[bytes]:
     keys = JSON_KEYS.get(field, [])
     known = st.dictionaries(st.sampled_from(keys), json_values(), max_size=len(keys)) if keys else st.just({})
+    if field == "native_sampling_params_json":
+        known = native_sampling_params()
     objects = st.one_of(known, st.dictionaries(st.text(max_size=12), json_values(), max_size=4), json_values())
     encoded = objects.map(lambda v: json.dumps(v).encode())
     garbage = st.one_of(

@@ -54,7 +54,21 @@ NATIVE_TYPE_ERRORS = {
     "seed beyond 64 bits": ({"seed": 2**70}, "native_sampling_params_json"),
     "stop is a number": ({"stop": 5}, "stop"),
     "unknown key": ({"bogus": 1}, "bogus"),
+    # vLLM's own bookkeeping (the first killed the engine's worker: found by the schema fuzzer).
+    "private bad words ids": ({"_bad_words_token_ids": [[10**8]]}, "_bad_words_token_ids"),
+    "private stop ids": ({"_all_stop_token_ids": [1]}, "_all_stop_token_ids"),
+    "internal skip_clone": ({"skip_clone": True}, "skip_clone"),
     "n beyond the limit": ({"n": 10_000}, "max_num_sequences"),
+    # vLLM's own request validation (SamplingParams.verify, the input processor) raises plain
+    # ValueErrors as well as its VLLMValidationError: each names the parameter.
+    "trace_decode_token_ids is empty": ({"trace_decode_token_ids": []}, "trace_decode_token_ids"),
+    "trace_decode_token_ids is negative": ({"trace_decode_token_ids": [-1]}, "trace_decode_token_ids"),
+    "trace replay is off": ({"trace_decode_token_ids": [1, 2]}, "trace_decode_token_ids"),
+    "thinking_token_budget without a reasoning parser": ({"thinking_token_budget": 4}, "thinking_token_budget"),
+    "more logprobs than allowed": ({"logprobs": 10**6}, "logprobs"),
+    "allowed_token_ids outside the vocabulary": ({"allowed_token_ids": [10**8]}, "allowed_token_ids"),
+    "stop_token_ids outside the vocabulary": ({"stop_token_ids": [10**8]}, "stop_token_ids"),
+    "logit_bias outside the vocabulary": ({"logit_bias": {"100000000": 1.0}}, "logit_bias"),
 }
 
 

@@ -31,7 +31,7 @@ from rlserve.engine.liveness import EngineMonitor
 from rlserve.engine.load import LoadBoard, NoPrometheus
 from rlserve.engine.outputs import OutputTranslator, aborted_before_start
 from rlserve.engine.process_group import engine_in_own_group
-from rlserve.engine.sampling import ModelLimits, build_prompt_token_ids, build_sampling_params
+from rlserve.engine.sampling import ModelLimits, build_prompt_token_ids, build_sampling_params, refused_by_vllm
 from rlserve.engine.shared import FrontendClient, configure
 from rlserve.engine.transport import WeightTransport, make_transport
 from rlserve.errors import CapabilityMissing, EngineUnavailable, InvalidRequest, UnknownModel
@@ -120,6 +120,9 @@ class EngineAdapter:
             has_kv_connector=vc.kv_transfer_config is not None,
             has_priority_scheduling=vc.scheduler_config.policy == "priority",
             default_sampling=vc.model_config.get_diff_sampling_param(),
+            verify=lambda sampling: sampling.verify(
+                vc.model_config, vc.speculative_config, vc.structured_outputs_config, self._tokenizer
+            ),
         )
         self._tokenizer = llm.get_tokenizer()
         self._is_multimodal = vc.model_config.is_multimodal_model
@@ -215,8 +218,11 @@ class EngineAdapter:
                 priority=request.params.priority,
                 lora_request=_lora_request(request.lora),
             )
-        except VLLMClientError as e:
-            raise InvalidRequest("", str(e)) from e
+        except (TypeError, ValueError, VLLMClientError) as e:
+            # The input processor's checks beyond SamplingParams.verify (features the engine
+            # was not started with): client errors, raised before anything reached the engine.
+            field = "sampling" if request.params.native_sampling_params is None else "native_sampling_params_json"
+            raise refused_by_vllm(e, field) from e
         except EngineDeadError as e:
             self.monitor.declare_dead(str(e))
             raise EngineUnavailable(self.monitor.reason) from e

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +31,11 @@ from rlserve.types import (
 INLINE_TOKENIZE_CHARS = 4096
 # Upstream's default when StoppingCriteria.max_new_tokens is 0.
 DEFAULT_MAX_NEW_TOKENS = 20
-# Keys of native_sampling_params_json that would break the response framing if overridden.
-NATIVE_KEYS_REFUSED = ("output_kind", "detokenize")
+# Keys of native_sampling_params_json that would break the response framing if overridden,
+# and vLLM's own bookkeeping, "not supposed to be used as an input" (a client-set
+# `_bad_words_token_ids` out of the vocabulary killed the engine: the fuzzer found it).
+NATIVE_KEYS_FRAMING = ("output_kind", "detokenize")
+NATIVE_KEYS_INTERNAL = ("skip_clone", "output_text_buffer_length")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +47,9 @@ class ModelLimits:
     has_kv_connector: bool
     has_priority_scheduling: bool
     default_sampling: Mapping[str, Any]
+    # vLLM's own checks of a request's sampling params against the model (SamplingParams.verify
+    # with the engine's configs bound); idempotent, so the engine may run them again.
+    verify: Callable[[SamplingParams], None] = lambda sampling: None
 
 
 async def build_prompt_token_ids(params: GenerateParams, tokenizer: Any, limits: ModelLimits) -> list[int]:
@@ -94,8 +100,22 @@ def build_sampling_params(params: GenerateParams, num_prompt_tokens: int, limits
         raise InvalidRequest(field, str(e)) from e
     if not params.is_stream and sampling.n > 1:
         raise InvalidRequest(field, "n > 1 needs GenerateStream")
+    try:
+        limits.verify(sampling)
+    except (TypeError, ValueError, VLLMClientError) as e:
+        raise refused_by_vllm(e, field) from e
     _check_engine_decodes(sampling, field)
     return sampling
+
+
+def refused_by_vllm(error: Exception, field: str) -> InvalidRequest:
+    """What vLLM's request validation raised (its VLLMValidationError, which may name the
+    parameter, or a plain ValueError / TypeError, which names it in its text), as
+    InvalidRequest naming the parameter under `field`."""
+    parameter = getattr(error, "parameter", None) or next(
+        (name for name in _SAMPLING_FIELDS_LONGEST_FIRST if name in str(error)), None
+    )
+    return InvalidRequest(f"{field}.{parameter}" if parameter else field, str(error))
 
 
 _ENCODER = MsgpackEncoder()
@@ -206,9 +226,9 @@ def _structured_output(so: StructuredOutput) -> StructuredOutputsParams:
 def _native_kwargs(native: Mapping[str, Any]) -> dict[str, Any]:
     """The JSON object's keys, checked against SamplingParams' fields (and those of its
     nested dataclasses, which msgspec would otherwise fill with defaults silently)."""
-    refused = [k for k in NATIVE_KEYS_REFUSED if k in native]
+    refused = sorted(k for k in native if k in NATIVE_KEYS_FRAMING or k in NATIVE_KEYS_INTERNAL or k.startswith("_"))
     if refused:
-        raise InvalidRequest("native_sampling_params_json", f"may not set {refused}")
+        raise InvalidRequest("native_sampling_params_json", f"may not set {refused}: rlserve or vLLM sets them")
     unknown = sorted(set(native) - _SAMPLING_FIELDS)
     if unknown:
         raise InvalidRequest("native_sampling_params_json", f"unknown SamplingParams fields {unknown}")
@@ -222,4 +242,6 @@ def _native_kwargs(native: Mapping[str, Any]) -> dict[str, Any]:
 
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+# "logprobs" is in "prompt_logprobs": the longest name a message mentions is the one it means.
+_SAMPLING_FIELDS_LONGEST_FIRST = sorted(_SAMPLING_FIELDS, key=len, reverse=True)
 _NESTED_DATACLASSES = {"structured_outputs": StructuredOutputsParams, "repetition_detection": RepetitionDetectionParams}
