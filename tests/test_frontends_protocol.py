@@ -18,6 +18,10 @@ from rlserve.types import LoraAdapter
 ADAPTER = LoraAdapter(3, "policy", "/adapters/policy", digest="abc", version="step-2")
 MESSAGES = [
     p.Hello(1, 4242),
+    p.Ready(),
+    p.Load(0, 3, 1, 0.25, 1796300000.5),
+    p.Credentials("read token-0123456789abcdef dashboard\n"),
+    p.Credentials(None),
     p.Admit(7, "req-1", 120, "policy"),
     p.Entered(7, "req-1-0a1b"),
     p.Ended(7),

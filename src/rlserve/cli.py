@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="frontend processes over the one engine, all serving vllm.Inference on --port (more frontend CPU "
         "for a fast engine); the first owns the control plane, which then needs --control-address",
     )
+    s.add_argument(
+        "--max-frontend-restarts",
+        type=int,
+        default=_default(_SERVE, "max_frontend_restarts"),
+        help="with --frontends: how often in all a frontend process (not the first) that died is started "
+        "again, after a back-off of 1-30 s (default: %(default)s)",
+    )
     s.add_argument("--auth-tokens-file", type=Path, default=None, help="ROLE TOKEN [NAME] per line (see below)")
     s.add_argument("--tls-cert-file", type=Path, default=None, help="the server's certificate chain (PEM)")
     s.add_argument("--tls-key-file", type=Path, default=None, help="the server's private key (PEM)")
@@ -211,6 +218,7 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         metrics_port=args.metrics_port,
         exit_with_parent=args.exit_with_parent,
         num_frontends=args.frontends,
+        max_frontend_restarts=args.max_frontend_restarts,
         security=security_config(args, dict(os.environ) if environ is None else environ),
     )
 
@@ -227,12 +235,21 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"rlserve: {e}", file=sys.stderr)
         return 2
+    metrics_directory = None
+    if config.num_frontends > 1 and config.metrics_port is not None:
+        from rlserve.frontends.prometheus import use_multiprocess_metrics
+
+        metrics_directory = use_multiprocess_metrics()  # before anything imports prometheus_client
     import uvloop
 
     from rlserve.server.app import serve
 
-    # uvloop (a vLLM dependency) costs grpc.aio ~20 µs less CPU per streamed message.
-    uvloop.run(serve(config))
+    try:
+        # uvloop (a vLLM dependency) costs grpc.aio ~20 µs less CPU per streamed message.
+        uvloop.run(serve(config))
+    finally:
+        if metrics_directory is not None:
+            metrics_directory.cleanup()
     return 0
 
 

@@ -193,6 +193,9 @@ class ServeConfig:
     # vllm.Inference on `address`; the first owns the lifecycle and the control plane, which
     # then needs a listener of its own (control_address).
     num_frontends: int = 1
+    # A frontend process (not the first) that dies is started again, at most this many times
+    # over the server's life (each restart takes one of as many spare engine socket pairs).
+    max_frontend_restarts: int = 4
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -210,6 +213,8 @@ class ServeConfig:
             raise ValueError("shutdown_grace_s must be >= 0")
         if self.num_frontends < 1:
             raise ValueError("num_frontends must be >= 1")
+        if self.max_frontend_restarts < 0:
+            raise ValueError("max_frontend_restarts must be >= 0")
         if self.num_frontends > 1 and not self.control_address:
             raise ValueError(
                 "--frontends > 1 serves the control plane from one process: give it a listener of its own "

@@ -76,6 +76,26 @@ class ServerProcess:
                 except grpc.RpcError:
                     continue
 
+    def wait_listening(self, timeout_s: float = 120.0) -> None:
+        """Until the server answers health at all (it binds before its engine starts; a
+        plaintext server: this asks without TLS).
+        Raises ServerExited if it exits first, TimeoutError after `timeout_s`."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.target) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if self.process.poll() is not None:
+                    raise ServerExited(f"the server for {self.target} exited with {self.process.returncode}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the server at {self.target} did not listen within {timeout_s:.0f} s")
+                try:
+                    health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    return
+                except grpc.RpcError:
+                    time.sleep(0.1)
+
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM (a graceful shutdown that stops the engine), SIGKILL after `timeout_s`.
         Returns the exit status; a second call returns it again."""

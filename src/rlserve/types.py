@@ -260,12 +260,14 @@ class LoraAdapter:
 
 @dataclass(frozen=True, slots=True)
 class FrontendStatus:
-    """One frontend process: the requests it admitted in all and has open now."""
+    """One frontend process: the requests it admitted in all and has open now, and how often
+    frontend `index` was restarted (a new process each time)."""
 
     index: int
     pid: int
     num_requests: int
     num_open_requests: int
+    num_restarts: int = 0
 
 
 @dataclass(frozen=True, slots=True)

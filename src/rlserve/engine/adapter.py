@@ -37,6 +37,7 @@ from rlserve.engine.transport import WeightTransport, make_transport
 from rlserve.errors import CapabilityMissing, EngineUnavailable, InvalidRequest, UnknownModel
 from rlserve.transfer.manifest import ManifestEntry, lora_config_misfit, lora_misfit, read_manifest
 from rlserve.types import (
+    EngineLoad,
     EngineStatus,
     GenerateChunk,
     GenerateParams,
@@ -159,11 +160,17 @@ class EngineAdapter:
 
     @classmethod
     def connect(
-        cls, config: EngineConfig, client: FrontendClient, vllm_config: Any | None = None, instance_id: str = ""
+        cls,
+        config: EngineConfig,
+        client: FrontendClient,
+        vllm_config: Any | None = None,
+        instance_id: str = "",
+        forward_load: Callable[[EngineLoad], None] | None = None,
     ) -> EngineAdapter:
         """The engine client of frontend `client.index` on an engine `SharedEngine` launched.
-        Only the first frontend gets the scheduler's stats (the engine sends them there)."""
-        load = LoadBoard() if config.log_stats and client.index == 0 else None
+        The engine sends each step's scheduler figures to one frontend: `forward_load` passes
+        those this one gets on to frontend 0 (which keeps the newest per engine)."""
+        load = LoadBoard(forward_load) if config.log_stats else None
         loggers: list[Any] = [load.logger] if load else []
         if load and not config.vllm_metrics:
             loggers.append(NoPrometheus)

@@ -1,10 +1,13 @@
 """How busy each data-parallel engine is, from the scheduler stats vLLM already sends with its
 outputs (no extra round trip to the engine core): a stat logger that keeps the latest figures
-per engine for `Lifecycle/GetLoad`."""
+per engine for `Lifecycle/GetLoad`. With several frontend processes the engine sends each
+step's figures to one of them (the first with outputs that step), so every one keeps a board,
+the others pass theirs on to frontend 0 (`forward`), and frontend 0 keeps the newest."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
@@ -16,8 +19,9 @@ from rlserve.types import EngineLoad
 class LoadBoard:
     """The latest scheduler figures of every engine; written by vLLM's output handler."""
 
-    def __init__(self) -> None:
+    def __init__(self, forward: Callable[[EngineLoad], None] | None = None) -> None:
         self._latest: dict[int, EngineLoad] = {}
+        self._forward = forward
 
     def logger(self, vllm_config: VllmConfig, engine_index: int) -> StatLoggerBase:
         """A per-engine stat logger factory for `AsyncLLM(stat_loggers=[board.logger])`."""
@@ -25,13 +29,22 @@ class LoadBoard:
         return _Recorder(self, engine_index)
 
     def record(self, engine_index: int, stats: SchedulerStats) -> None:
-        self._latest[engine_index] = EngineLoad(
+        load = EngineLoad(
             engine_index,
             stats.num_running_reqs,
             stats.num_waiting_reqs + stats.num_skipped_waiting_reqs,
             stats.kv_cache_usage,
             time.time(),
         )
+        self.merge(load)
+        if self._forward is not None:
+            self._forward(load)
+
+    def merge(self, load: EngineLoad) -> None:
+        """Figures another frontend process received: kept if newer than what is here."""
+        current = self._latest.get(load.data_parallel_rank)
+        if current is None or load.unix_time_s >= current.unix_time_s:
+            self._latest[load.data_parallel_rank] = load
 
     def engines(self) -> tuple[EngineLoad, ...]:
         return tuple(self._latest[i] for i in sorted(self._latest))

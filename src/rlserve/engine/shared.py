@@ -4,6 +4,11 @@ launches the engine core (it connects to all of them), and each frontend process
 `AsyncLLM` on its own pair (`client_index`). The engine routes each request's outputs to the
 frontend that sent it; pause, abort and the weight transport act on the whole engine.
 
+A frontend process that dies cannot be replaced on its own pair: the engine greets each
+frontend once, when it starts, and a new `AsyncLLM` waits for that greeting. So the engine is
+launched with spare pairs (the greeting waits in each until a frontend takes it): a replaced
+frontend takes a spare one.
+
 Owns the launch and the engine processes' lifetime; not the frontend processes.
 """
 
@@ -43,12 +48,14 @@ def configure(args: AsyncEngineArgs, count: int, index: int) -> Any:
 
 
 class SharedEngine:
-    """The engine processes launched for `count` frontends, and their sockets."""
+    """The engine processes launched for `count` frontends (and `num_spare` spare socket
+    pairs, for frontends that replace one that died), and their sockets."""
 
-    def __init__(self, args: AsyncEngineArgs, count: int, log_stats: bool) -> None:
-        self.vllm_config = configure(args, count, -1)
+    def __init__(self, args: AsyncEngineArgs, count: int, log_stats: bool, num_spare: int = 0) -> None:
+        total = count + num_spare
+        self.vllm_config = configure(args, total, -1)
         # Kept: collecting it closes every socket and removes their paths.
-        self._listeners = listeners = bind_engine_zmq_listeners(self.vllm_config, count)
+        self._listeners = listeners = bind_engine_zmq_listeners(self.vllm_config, total)
         with engine_in_own_group():
             with launch_core_engines(
                 self.vllm_config, Executor.get_class(self.vllm_config), log_stats, listeners.addresses
@@ -60,20 +67,26 @@ class SharedEngine:
         self.clients = [
             FrontendClient(
                 index,
-                count,
+                total,
                 {
                     "input_address": inputs.address,
                     "output_address": outputs.address,
                     "input_listener": inputs.socket,
                     "output_listener": outputs.socket,
-                    "client_count": count,
+                    "client_count": total,
                     "client_index": index,
                     **({"stats_update_address": stats} if stats else {}),
                 },
             )
             for index, (inputs, outputs) in enumerate(zip(listeners.inputs, listeners.outputs, strict=True))
         ]
+        # Frontends 1.. of the first start take the pairs after frontend 0's; the rest wait.
+        self.spares = self.clients[count:]
         self._closing = threading.Event()
+
+    def take_spare(self) -> FrontendClient | None:
+        """A pair no frontend has used yet, for one that replaces a dead one (None: none left)."""
+        return self.spares.pop(0) if self.spares else None
 
     def watch(self, on_exit: Callable[[str], None]) -> None:
         """`on_exit(reason)` from a thread of its own once an engine process exits unasked

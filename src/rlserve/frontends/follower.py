@@ -1,7 +1,9 @@
 """A following frontend's lifecycle: generation on its own engine client, admitted by the
 leading frontend (the one lifecycle controller), so a pause holds its requests too and Abort
-by id reaches them. It owns no lifecycle state; it learns whether inference serves from the
-leader. When the leader is gone every held request ends UNAVAILABLE and `lost` is set.
+by id reaches them. It owns no lifecycle state and no credentials: it learns whether inference
+serves and which tokens are in force from the leader, and passes the scheduler figures the
+engine sent it on to the leader. When the leader is gone every held request ends UNAVAILABLE
+and `lost` is set.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from rlserve.errors import EngineUnavailable, InvalidRequest
 from rlserve.frontends import protocol as p
-from rlserve.types import GenerateChunk, GenerateParams, LoraAdapter
+from rlserve.types import EngineLoad, GenerateChunk, GenerateParams, LoraAdapter
 
 if TYPE_CHECKING:
     from rlserve.engine.adapter import EngineAdapter
@@ -35,6 +37,8 @@ class LeaderLink:
         self.is_serving = False
         self.on_serving: Callable[[bool], None] = lambda is_serving: None
         self.on_abort: Callable[[p.AbortRequests], None] = lambda message: None
+        self.on_credentials: Callable[[str | None], None] = lambda tokens_text: None
+        self._credentials: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self.lost = asyncio.Event()
         self._reading: asyncio.Task[None] | None = None
 
@@ -45,6 +49,26 @@ class LeaderLink:
         link._send(p.Hello(index, os.getpid()))
         link._reading = asyncio.ensure_future(link._read())
         return link
+
+    async def credentials(self) -> str | None:
+        """The tokens the leader has in force (its first word after Hello); later reloads
+        arrive through `on_credentials`. Raises EngineUnavailable if the leader is gone."""
+        return await self._credentials
+
+    def ready(self) -> None:
+        """This frontend serves the inference port from now on."""
+        self._send(p.Ready())
+
+    def forward_load(self, load: EngineLoad) -> None:
+        self._send(
+            p.Load(
+                load.data_parallel_rank,
+                load.num_running_requests,
+                load.num_waiting_requests,
+                load.kv_cache_usage,
+                load.unix_time_s,
+            )
+        )
 
     def close(self) -> None:
         self._writer.close()
@@ -59,6 +83,11 @@ class LeaderLink:
                 if isinstance(message, p.Serving):
                     self.is_serving = message.is_serving
                     self.on_serving(message.is_serving)
+                elif isinstance(message, p.Credentials):
+                    if self._credentials.done():
+                        self.on_credentials(message.tokens_text)
+                    else:
+                        self._credentials.set_result(message.tokens_text)
                 elif isinstance(message, p.AbortRequests):
                     self.on_abort(message)
                 else:
@@ -67,6 +96,8 @@ class LeaderLink:
                         reply.set_result(message)
         finally:
             self.lost.set()
+            if not self._credentials.done():
+                self._credentials.set_exception(EngineUnavailable(LEADER_GONE))
             for reply in self._replies.values():
                 if not reply.done():
                     reply.set_exception(EngineUnavailable(LEADER_GONE))

@@ -1,8 +1,9 @@
 """What the frontend processes of one server say to each other: typed messages (msgspec
-structs) framed on a local stream socket. The leading frontend owns the lifecycle; every
-other one asks it to admit each request (held while paused, its LoRA adapter pinned), says
-when the engine has it and when it ended, and hears aborts and whether inference serves.
-No grpc, no engine.
+structs) framed on a local stream socket. The leading frontend owns the lifecycle and the
+credentials; every other one takes its credentials from it, says when it serves, asks it to
+admit each request (held while paused, its LoRA adapter pinned), says when the engine has it
+and when it ended, passes on the scheduler figures the engine sent it, and hears aborts and
+whether inference serves. No grpc, no engine.
 """
 
 from __future__ import annotations
@@ -23,8 +24,14 @@ MAX_FRAME_BYTES = 16 << 20
 
 
 class Hello(msgspec.Struct, tag=True, frozen=True):
+    """Frontend `index` (its number, kept across restarts) connected; Credentials follow."""
+
     index: int
     pid: int
+
+
+class Ready(msgspec.Struct, tag=True, frozen=True):
+    """This frontend serves the inference port now."""
 
 
 class Admit(msgspec.Struct, tag=True, frozen=True):
@@ -69,7 +76,24 @@ class Observed(msgspec.Struct, tag=True, frozen=True):
     seconds: float
 
 
+class Load(msgspec.Struct, tag=True, frozen=True):
+    """Scheduler figures the engine sent this frontend (it sends each step's to one of them)."""
+
+    data_parallel_rank: int
+    num_running_requests: int
+    num_waiting_requests: int
+    kv_cache_usage: float
+    unix_time_s: float
+
+
 # The leader to a following frontend -------------------------------------------------------
+
+
+class Credentials(msgspec.Struct, tag=True, frozen=True):
+    """The bearer tokens in force (a tokens file's text), or None when the server has none:
+    first after Hello, then after every reload the leader takes."""
+
+    tokens_text: str | None
 
 
 class Admitted(msgspec.Struct, tag=True, frozen=True):
@@ -108,6 +132,9 @@ class Serving(msgspec.Struct, tag=True, frozen=True):
 
 Message = (
     Hello
+    | Ready
+    | Load
+    | Credentials
     | Admit
     | Entered
     | Ended

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 from grpc_health.v1 import health, health_pb2
@@ -122,14 +123,21 @@ class RlserveServer:
         else:
             engine = await asyncio.to_thread(EngineAdapter.start, self.config.engine)
         self._owns_engine = True
-        await self.attach_engine(engine)
-        if self._frontends is not None:
-            await self._frontends.start(
-                self.slot.lifecycle, engine, self.port, _inference_serving, self.metrics.observe_rpc
-            )
+        if self._frontends is None:
+            await self.attach_engine(engine)
+            return
+        # Health says SERVING once every frontend process serves the port (each restarted as
+        # needed); the control plane answers meanwhile.
+        await self.attach_engine(engine, serve=False)
+        await self._frontends.start(
+            self.slot.lifecycle, engine, self.port, _inference_serving, self.credentials, self.metrics
+        )
+        await self._frontends.wait_ready()
+        await self._serve_health(self.slot.lifecycle)
 
     async def attach_follower(self, engine: EngineAdapter, link: LeaderLink) -> None:
-        """Serve as a following frontend: generation admitted by the leader over `link`."""
+        """Serve as a following frontend: generation admitted by the leader over `link`, the
+        leader's credentials (and every reload of them)."""
         self._owns_engine = True
         self._observe_rpc = link.observe_rpc
         self.slot.set(engine, FollowerLifecycle(engine, link))
@@ -141,10 +149,22 @@ class RlserveServer:
             asyncio.ensure_future(self._set_inference_health(is_serving))
 
         link.on_serving = serving
+        link.on_credentials = self._take_credentials
         await self._set_inference_health(link.is_serving)
 
-    async def attach_engine(self, engine: EngineAdapter) -> None:
-        """Serve an engine started elsewhere (tests share one); stop() will not shut it down."""
+    def _take_credentials(self, tokens_text: str | None) -> None:
+        if self.credentials is None or tokens_text is None:
+            return  # the leader's never change kind: none stay none
+        try:
+            self.credentials.replace(tokens_text)
+        except ValueError as e:  # the leader parsed them: a bug if this happens
+            logger.error("kept the old auth tokens: frontend 0's do not parse here: %s", e)
+            return
+        logger.info("took the auth tokens frontend 0 reloaded")
+
+    async def attach_engine(self, engine: EngineAdapter, serve: bool = True) -> None:
+        """Serve an engine started elsewhere (tests share one); stop() will not shut it down.
+        `serve=False`: health stays NOT_SERVING (the caller serves it later)."""
         config = self.config
         lifecycle = await LifecycleController.create(
             engine,
@@ -159,9 +179,15 @@ class RlserveServer:
         lifecycle.observe(self.metrics)
         engine.monitor.on_dead(self._engine_died)
         engine.monitor.start()
+        if serve:
+            await self._serve_health(lifecycle)
+
+    async def _serve_health(self, lifecycle: LifecycleController) -> None:
+        if not self.slot.is_set:
+            return  # the engine died meanwhile
         await self._set_health(SERVING)
         self._health_task = asyncio.ensure_future(self._follow(lifecycle))
-        logger.info("rlserve serving %s", engine.model_info().served_model_name)
+        logger.info("rlserve serving %s", self.slot.engine.model_info().served_model_name)
 
     async def _follow(self, lifecycle: LifecycleController) -> None:
         """vllm.Inference is NOT_SERVING while generation is paused or asleep."""
@@ -194,10 +220,8 @@ class RlserveServer:
 
     def reload_credentials(self) -> None:
         """SIGHUP: re-read the tokens file; a file that does not parse keeps the old tokens.
-        The other frontend processes are told too (each checks its own callers)."""
-        if self.credentials is not None:
-            self.credentials.reload()
-        if self._frontends is not None:
+        The other frontend processes take what this one took."""
+        if self.credentials is not None and self.credentials.reload() and self._frontends is not None:
             self._frontends.reload_credentials()
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -283,40 +307,52 @@ async def set_when_orphaned(stop: asyncio.Event, every_s: float = 0.5) -> None:
     stop.set()
 
 
-def run_follower(config: ServeConfig, client: FrontendClient, leader_path: str, instance_id: str) -> None:
-    """A following frontend process of a server with several (`Frontends` starts it), titled
-    `rlserve::frontend-N`: vllm.Inference on the shared port, admitted by frontend 0, until
-    SIGINT/SIGTERM, frontend 0's end, or the end of the process that started it."""
+def run_follower(config: ServeConfig, client: FrontendClient, leader_path: str, instance_id: str, index: int) -> None:
+    """Frontend `index` of a server with several (`Frontends` starts it), titled
+    `rlserve::frontend-N`, in a process group of its own (what it leaves behind when it dies
+    is killed with the group): vllm.Inference on the shared port, with frontend 0's
+    credentials, admitted by frontend 0, until SIGINT/SIGTERM, frontend 0's end, or the end of
+    the process that started it."""
     import setproctitle
 
-    setproctitle.setproctitle(f"{PROCESS_TITLE}-{client.index}")
+    os.setpgid(0, 0)
+    setproctitle.setproctitle(f"{PROCESS_TITLE}-{index}")
     logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [frontend {client.index}]: %(message)s"
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [frontend {index}]: %(message)s"
     )
     import uvloop
 
-    uvloop.run(_follow(config, client, leader_path, instance_id))
+    uvloop.run(_follow(config, client, leader_path, instance_id, index))
 
 
-async def _follow(config: ServeConfig, client: FrontendClient, leader_path: str, instance_id: str) -> None:
-    server = RlserveServer(config, inference_only=True)
-    stop = server.shutdown_requested
+async def _follow(config: ServeConfig, client: FrontendClient, leader_path: str, instance_id: str, index: int) -> None:
+    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, server.reload_credentials)
+    # Tokens come from frontend 0, reloads too: a SIGHUP to the group changes nothing here.
+    loop.add_signal_handler(signal.SIGHUP, lambda: None)
     orphan_watch = asyncio.ensure_future(set_when_orphaned(stop))
-    engine = await asyncio.to_thread(EngineAdapter.connect, config.engine, client, None, instance_id)
-    link = await LeaderLink.connect(leader_path, client.index)
+    link = await LeaderLink.connect(leader_path, index)
     leader_watch = asyncio.ensure_future(_set_when_lost(link, stop))
+    server = None
     try:
+        tokens_text = await link.credentials()
+        security = replace(config.security, auth_tokens_file=None, auth_tokens_text=tokens_text)
+        server = RlserveServer(replace(config, security=security), inference_only=True)
+        server.shutdown_requested = stop
+        engine = await asyncio.to_thread(
+            EngineAdapter.connect, config.engine, client, None, instance_id, link.forward_load
+        )
         await server.start()
         await server.attach_follower(engine, link)
+        link.ready()
         await stop.wait()
     finally:
         orphan_watch.cancel()
         leader_watch.cancel()
-        await server.stop()
+        if server is not None:
+            await server.stop()
         link.close()
 
 

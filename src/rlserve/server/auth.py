@@ -223,18 +223,26 @@ def _fingerprint(secret: str) -> str:
 
 class CredentialSource:
     """The current credentials, loaded from `read()` (a file, or the environment's text) and
-    reloaded on request; a reload that fails keeps the credentials that were in force."""
+    reloaded on request; a reload that fails keeps the credentials that were in force.
+    `text` is what the credentials in force were parsed from (what frontend 0 hands the
+    other frontend processes)."""
 
     def __init__(self, read: Callable[[], str], description: str) -> None:
         self._read = read
         self.description = description
-        self.current = Credentials.parse(read())
+        self.text = read()
+        self.current = Credentials.parse(self.text)
 
     def reload(self) -> bool:
         try:
-            self.current = Credentials.parse(self._read())
+            text = self._read()
+            self.current, self.text = Credentials.parse(text), text
         except (OSError, ValueError) as e:
             logger.error("kept the old auth tokens: reloading %s failed: %s", self.description, e)
             return False
         logger.info("reloaded auth tokens from %s", self.description)
         return True
+
+    def replace(self, text: str) -> None:
+        """Take these credentials (frontend 0's, already parsed there). Raises ValueError."""
+        self.current, self.text = Credentials.parse(text), text

@@ -426,7 +426,13 @@ def lifecycle_snapshot(snap: LifecycleSnapshot) -> lifecycle_pb2.LifecycleState:
     msg.weight_dtype = snap.weight_dtype
     msg.stages_updates = snap.stages_updates
     for f in snap.frontends:
-        msg.frontends.add(index=f.index, pid=f.pid, num_requests=f.num_requests, num_open_requests=f.num_open_requests)
+        msg.frontends.add(
+            index=f.index,
+            pid=f.pid,
+            num_requests=f.num_requests,
+            num_open_requests=f.num_open_requests,
+            num_restarts=f.num_restarts,
+        )
     for a in snap.recent_mutations:
         msg.recent_mutations.add(
             sequence=a.sequence,

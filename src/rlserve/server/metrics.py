@@ -12,7 +12,9 @@ from wsgiref.simple_server import WSGIServer
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.multiprocess import MultiProcessCollector
 
+from rlserve.frontends.prometheus import multiprocess_directory
 from rlserve.lifecycle.state import AuditEntry, LifecycleState, UpdateSession
 from rlserve.types import PausePhase
 
@@ -84,6 +86,16 @@ class Metrics:
             registry=r,
         )
         self.engine_alive = Gauge("rlserve_engine_alive", "0 once the engine is dead", registry=r)
+        self.frontend_restarts = Counter(
+            "rlserve_frontend_restarts",
+            "frontend processes started again after theirs exited unasked (--frontends), by frontend",
+            ["frontend"],
+            registry=r,
+        )
+        self.frontends_serving = Gauge(
+            "rlserve_frontends_serving", "frontend processes serving the inference port", registry=r
+        )
+        self.frontends_serving.set(1)
         self._paused_at: float | None = None
         self._asleep_at: float | None = None
         self._ended: UpdateSession | None = None
@@ -136,11 +148,14 @@ class Metrics:
 
 
 class MetricsEndpoint:
-    """`/metrics` over HTTP: rlserve's registry and prometheus_client's global one, where vLLM
-    registers its metrics."""
+    """`/metrics` over HTTP: rlserve's registry and vLLM's metrics: prometheus_client's global
+    registry, where vLLM registers them, or with several frontend processes what all of them
+    wrote (`rlserve.frontends.prometheus`), vLLM's alone (rlserve's own are this process's)."""
 
     def __init__(self, metrics: Metrics, host: str, port: int) -> None:
-        both = _Registries(prometheus_client.REGISTRY, metrics.registry)
+        directory = multiprocess_directory()
+        vllm = prometheus_client.REGISTRY if directory is None else _VllmOnly(MultiProcessCollector(None, directory))
+        both = _Registries(vllm, metrics.registry)
         self._server, self._thread = prometheus_client.start_http_server(port, host, registry=both)
 
     @property
@@ -152,6 +167,14 @@ class MetricsEndpoint:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+class _VllmOnly:
+    def __init__(self, collector: MultiProcessCollector) -> None:
+        self._collector = collector
+
+    def collect(self):
+        return (family for family in self._collector.collect() if family.name.startswith("vllm:"))
 
 
 class _Registries:

@@ -155,16 +155,18 @@ class EngineState(_message.Message):
     def __init__(self, data_parallel_rank: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class Frontend(_message.Message):
-    __slots__ = ("index", "pid", "num_requests", "num_open_requests")
+    __slots__ = ("index", "pid", "num_requests", "num_open_requests", "num_restarts")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_OPEN_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     index: int
     pid: int
     num_requests: int
     num_open_requests: int
-    def __init__(self, index: _Optional[int] = ..., pid: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_open_requests: _Optional[int] = ...) -> None: ...
+    num_restarts: int
+    def __init__(self, index: _Optional[int] = ..., pid: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_open_requests: _Optional[int] = ..., num_restarts: _Optional[int] = ...) -> None: ...
 
 class AuditEntry(_message.Message):
     __slots__ = ("sequence", "operation", "detail", "outcome", "unix_time_s", "caller")

@@ -164,9 +164,9 @@ class LifecycleServicer:
         """How busy the server is, for load-aware routers: per data-parallel engine the running and
         waiting requests and the share of KV-cache blocks in use, as the engine's scheduler last
         reported them (with its outputs, so the figures of an idle engine are those of its last
-        step), and the requests rlserve holds while generation is paused. Read-only, cheap (no
-        call into the engine). Status: FAILED_PRECONDITION when the server runs with
-        --disable-log-stats.
+        step; with --frontends the newest any frontend process received), and the requests
+        rlserve holds while generation is paused. Read-only, cheap (no call into the engine).
+        Status: FAILED_PRECONDITION when the server runs with --disable-log-stats.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
