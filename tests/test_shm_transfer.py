@@ -155,6 +155,68 @@ async def test_a_symlink_posing_as_a_segment_is_not_followed(shm, tmp_path):
     assert secret.read_bytes() == b"x" * 4096
 
 
+def _other_users_file(path: Path) -> None:
+    path.write_bytes(b"y" * 4096)
+    os.chown(path, 65534, 65534)  # nobody's (the suite runs as root, as CI does)
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path, 0o600)
+
+
+NOT_SEGMENTS = {"another user's file": _other_users_file, "a directory": Path.mkdir, "a FIFO": _fifo}
+
+
+@pytest.mark.parametrize("kind", list(NOT_SEGMENTS))
+async def test_a_name_of_what_is_no_segment_of_ours_is_refused_at_once_and_left_alone(shm, kind):
+    """A root server once deleted another user's rlserve-shm-* file it had refused, answered
+    INTERNAL for a directory and blocked in open() on a FIFO past the deadline."""
+    assert os.geteuid() == 0, "needs root to make a file of another user (CI runs as root)"
+    path = SHM_DIR / f"rlserve-shm-not-ours-{os.getpid()}"
+    NOT_SEGMENTS[kind](path)
+    before = await shm.lifecycle.GetState(lpb.GetStateRequest())
+    try:
+        request = cpb.InitWeightTransferEngineRequest(
+            init_info_json=json.dumps({"segment": path.name, "size": 4096}).encode()
+        )
+        started = asyncio.get_running_loop().time()
+        assert path.name in await expect(INVALID, shm.control.InitWeightTransferEngine(request, timeout=30))
+        # Refused before anything waits: well inside the 10 s transfer deadline.
+        assert asyncio.get_running_loop().time() - started < 5
+        assert path.exists() or path.is_fifo(), "refused, and still there"
+        state = await shm.lifecycle.GetState(lpb.GetStateRequest())  # nothing changed
+        assert state.transport_ready == before.transport_ready and not state.transport_initializing
+    finally:
+        if path.is_dir():
+            path.rmdir()
+        else:
+            path.unlink(missing_ok=True)
+
+
+async def test_a_segment_the_trainer_shrinks_mid_sync_is_refused_and_the_engine_lives(shm, tiny_model_dir):
+    """A worker that mapped the segment died of SIGBUS reading past its new end; it reads the
+    segment with pread now, and a short read refuses the chunk."""
+    tokens, digest = await greedy(shm.inference), await checksum(shm.lifecycle)
+    tensors, chunks = plan_sync(perturbed(tiny_model_dir, seed=35), torch.float32)
+    (chunk,) = chunks
+    hand = HandShmTrainer(shm.target, 64 * 1024 * 1024)
+    fd = os.open(SHM_DIR / hand.sender.segment.name, os.O_RDWR)  # kept past the name's removal
+    try:
+        await asyncio.to_thread(hand.init)
+        await pause(shm.control, KEEP)
+        await shm.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+        hand.sender.write(chunk, tensors)
+        os.ftruncate(fd, 4096)  # the trainer's own mapping is not touched past this point
+        request = cpb.UpdateWeightsRequest(update_info_json=json.dumps(chunk.to_json()).encode())
+        assert "shrank" in await expect(INVALID, shm.control.UpdateWeights(request, timeout=30))
+        await shm.lifecycle.AbortWeightUpdate(lpb.AbortWeightUpdateRequest())
+        await shm.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+        assert await checksum(shm.lifecycle) == digest and await greedy(shm.inference) == tokens
+    finally:
+        os.close(fd)
+        hand.close()
+
+
 class HandShmTrainer:
     """The trainer's half of rlserve_shm by hand, to send what the SDK never would."""
 

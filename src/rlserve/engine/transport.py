@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -40,7 +41,7 @@ from rlserve.transfer.protocol import (
     Reply,
     combined_checksum,
 )
-from rlserve.transfer.shm import ShmInit, unlink
+from rlserve.transfer.shm import ShmInit, open_segment, unlink_if_same
 from rlserve.transfer.worker_extension import RlserveWorkerExtension as Ext
 from rlserve.types import ServedChecksums
 
@@ -283,8 +284,10 @@ class GlooTransport(WeightTransport):
 
 class ShmTransport(GlooTransport):
     """rlserve_shm: the trainer's segment instead of a gloo group; chunks, staging, commit
-    and digests as rlserve_gloo. Once every worker has mapped the segment its name is
-    removed, so no crash can leave it behind in /dev/shm."""
+    and digests as rlserve_gloo. The segment is opened here first (what is no segment of this
+    user is refused before a worker is asked, and left alone); once every worker has opened
+    it its name is removed, if it still names that file, so no crash can leave it behind in
+    /dev/shm."""
 
     backend = SHM_BACKEND_NAME
 
@@ -293,10 +296,16 @@ class ShmTransport(GlooTransport):
         return TransportInit(info.timeout_s, f"segment={info.segment} size={info.size}", info.to_json())
 
     async def init(self, init: TransportInit) -> None:
+        name = init.payload["segment"]
+        try:
+            fd, opened = open_segment(name, init.payload["size"])
+        except ProtocolError as e:
+            raise InvalidRequest("init_info_json", str(e)) from e
         try:
             await super().init(init)
+            unlink_if_same(name, opened)
         finally:
-            unlink(init.payload["segment"])
+            os.close(fd)
 
 
 class VllmTransport(WeightTransport):

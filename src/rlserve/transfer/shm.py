@@ -2,10 +2,15 @@
 
 The trainer creates one segment (a file in /dev/shm, mode 0600, its name made unique per
 trainer process and session) sized for its largest chunk, and reuses it for every step.
-InitWeightTransferEngine names it; every worker maps it read-only, then the server removes
-the name. From then on only the mappings hold the memory: nothing is left in /dev/shm
-whoever crashes, and the memory is freed once the trainer and the workers have dropped
-their mappings (a worker drops its own at the next init or at shutdown).
+InitWeightTransferEngine names it; the server and every worker open it (a regular file of the
+server's own user, opened without following links and without blocking, so a symlink, a
+directory, a FIFO or another user's file is refused at once and left alone), then the server
+removes the name if it still names the file they opened. From then on only open files hold
+the memory: nothing is left in /dev/shm whoever crashes, and the memory is freed once the
+trainer and the workers have closed it (a worker closes its own at the next init or at
+shutdown). A worker never maps the trainer's file: it reads it with pread, so a segment the
+trainer shrinks meanwhile is a short read that refuses the chunk, not a SIGBUS that kills the
+worker.
 
 Per chunk the trainer writes the tensors from the chunk's `segment_offset` on (the SDK: 0),
 packed as the shared bucket plan packs one bucket (64-byte aligned, in order: `plan_buckets`,
@@ -41,7 +46,7 @@ from rlserve.transfer.protocol import (
     wire_view,
 )
 
-# A name, never a path: the server maps segments of this shape and nothing else.
+# A name, never a path: the server opens segments of this shape and nothing else.
 SEGMENT_NAME = re.compile(r"rlserve-shm-[A-Za-z0-9_.-]{1,200}")
 MAX_SEGMENT_BYTES = 1 << 40
 
@@ -67,7 +72,7 @@ class ShmInit:
 
 
 class Segment:
-    """A named shared-memory segment mapped into this process, as one uint8 tensor."""
+    """The trainer's named shared-memory segment, mapped read-write, as one uint8 tensor."""
 
     def __init__(self, name: str, size: int, mapping: mmap.mmap) -> None:
         self.name, self.size = name, size
@@ -88,27 +93,70 @@ class Segment:
         finally:
             os.close(fd)
 
-    @classmethod
-    def attach(cls, name: str, size: int) -> Segment:
-        """Map an existing segment read-only. Raises WorkerError when it is missing, is not a
-        regular file of this user, or is smaller than `size`."""
-        try:
-            fd = os.open(SHM_DIR / name, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as e:
-            raise WorkerError(ErrorCode.INVALID_INFO, f"cannot open shared memory {name!r}: {e.strerror}") from e
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise WorkerError(ErrorCode.INVALID_INFO, f"{name!r} is not a segment of this user")
-            if st.st_size < size:
-                raise WorkerError(ErrorCode.INVALID_INFO, f"{name!r} has {st.st_size} bytes, init_info says {size}")
-            return cls(name, size, mmap.mmap(fd, size, prot=mmap.PROT_READ))
-        finally:
-            os.close(fd)
-
     def close(self) -> None:
         del self.bytes  # the tensor holds the buffer: drop it before unmapping
         self._mapping.close()
+
+
+def open_segment(name: str, size: int) -> tuple[int, os.stat_result]:
+    """Open the segment `name` for reading: (its fd, its stat). Raises ProtocolError (nothing
+    opened) when it is missing, a symlink, not a regular file of this user, or smaller than
+    `size`; never blocks (a FIFO opens at once, and is refused)."""
+    try:
+        fd = os.open(SHM_DIR / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ProtocolError(f"cannot open shared memory {name!r}: {e.strerror}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise ProtocolError(f"{name!r} is not a segment of this user (a regular file it owns)")
+        if st.st_size < size:
+            raise ProtocolError(f"{name!r} has {st.st_size} bytes, init_info says {size}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def unlink_if_same(name: str, opened: os.stat_result) -> None:
+    """Remove the name `name` if it still names the file `opened` (not whatever took its place)."""
+    path = SHM_DIR / name
+    try:
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class SegmentFile:
+    """A worker's read-only handle on the trainer's segment: read with pread, never mapped."""
+
+    def __init__(self, name: str, size: int) -> None:
+        try:
+            self._fd, _ = open_segment(name, size)
+        except ProtocolError as e:
+            raise WorkerError(ErrorCode.INVALID_INFO, str(e)) from e
+        self.name, self.size = name, size
+
+    def read_into(self, target: torch.Tensor, offset: int) -> None:
+        """Fill `target` (contiguous uint8) with the segment's bytes from `offset`. Raises
+        WorkerError when the segment ends first (the trainer shrank it)."""
+        view = memoryview(target.numpy()).cast("B")
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n == 0:
+                size = os.fstat(self._fd).st_size
+                raise WorkerError(
+                    ErrorCode.INVALID_INFO,
+                    f"segment {self.name!r} shrank to {size} bytes while a chunk was read from it "
+                    f"(it needs {offset + len(view)})",
+                )
+            done += n
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def unlink(name: str) -> None:
@@ -144,20 +192,20 @@ def layout(chunk: ChunkInfo, segment_size: int) -> tuple[int, list[tuple[int, in
 
 
 class ShmLink:
-    """A worker's side of rlserve_shm: the trainer's segment, mapped read-only, and a landing
+    """A worker's side of rlserve_shm: the trainer's segment, opened read-only, and a landing
     buffer of the same size this worker owns (allocated and touched once, so later syncs
     copy into memory that is already mapped). A chunk is copied from the segment into the
     same place in the landing buffer, digested and delivered about a bucket at a time: what
     is digested and loaded is the worker's copy, whatever the trainer writes meanwhile. Same
     calls as `GlooLink`."""
 
-    def __init__(self, segment: Segment) -> None:
+    def __init__(self, segment: SegmentFile) -> None:
         self._segment = segment
         self._landing = torch.zeros(segment.size, dtype=torch.uint8)
 
     @classmethod
     def open(cls, info: ShmInit) -> ShmLink:
-        return cls(Segment.attach(info.segment, info.size))
+        return cls(SegmentFile(info.segment, info.size))
 
     def misfit(self, info: ChunkInfo) -> str | None:
         try:
@@ -180,7 +228,7 @@ class ShmLink:
         _, placements = layout(info, self._segment.size)
         for group in _groups(info, placements):
             first, last = group[0][1], group[-1][1] + info.tensors[group[-1][0]].num_bytes
-            self._landing[first:last].copy_(self._segment.bytes[first:last])
+            self._segment.read_into(self._landing[first:last], first)
             received: dict[str, torch.Tensor] = {}
             for index, offset in group:
                 meta = info.tensors[index]
