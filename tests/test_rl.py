@@ -18,7 +18,7 @@ import torch
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.config import ServeConfig
-from rlserve.rl.grpo import group_advantages, grpo_loss
+from rlserve.rl.grpo import completion_logprobs, group_advantages, grpo_loss
 from rlserve.rl.loop import GrpoConfig, GrpoLoop, Policy
 from rlserve.rl.rollout import Rollout, SamplingConfig, versions_from_spans
 from rlserve.rl.tasks import Arithmetic, Problem
@@ -138,6 +138,61 @@ async def test_async_mode_never_trains_on_a_token_older_than_its_bound(rl_server
     assert state.weight_version == "5" and state.pause_phase == lpb.PAUSE_PHASE_RUNNING
 
 
+class FirstToken:
+    """A client whose streams say when the first tokens arrived."""
+
+    def __init__(self, client) -> None:
+        self._client, self.arrived = client, asyncio.Event()
+
+    async def stream(self, request, *, timeout_s=None):
+        async for message in self._client.stream(request, timeout_s=timeout_s):
+            if message.outputs.token_ids:
+                self.arrived.set()
+            yield message
+
+
+async def test_a_sequence_sampled_across_a_sync_agrees_token_by_token_under_each_version(rl_server, tiny_model_dir):
+    """Kept across a sync (KEEP), a sequence has tokens of two versions. The docs said they
+    were reported apart because their later tokens attend to KV the old weights computed; the
+    code judged them. The code was right: the commit drops the KV of kept requests and the
+    engine recomputes it under the new weights, so every token re-scores exactly under its
+    own version, and under the old weights the later ones would not."""
+    from rlserve.client import AsyncClient
+    from rlserve.rl.rollout import sample_group
+
+    policy = tiny_policy(tiny_model_dir, keep_versions=1)
+    loop = GrpoLoop(policy, VariedTask(), rl_server.target, SMALL)
+    try:
+        await asyncio.to_thread(loop.publish_initial)  # version 0
+        (problem,) = VariedTask().problems(1)
+        async with AsyncClient(rl_server.target) as client:
+            watched = FirstToken(client)
+            config = SamplingConfig(group_size=2, max_new_tokens=400)
+            group = asyncio.ensure_future(sample_group(watched, problem, 0, policy.prompt_ids(problem), config, 1))
+            await watched.arrived.wait()
+            # One optimizer step, synced (pause KEEP) while the group generates.
+            policy.step(sum(p.sum() for p in policy.model.parameters()), max_grad_norm=1.0)
+            await asyncio.to_thread(loop._push, policy.model, "1")
+            rollouts = await group
+        agreement = loop.agreement(rollouts)
+    finally:
+        loop.close()
+    assert all(r.versions[0] == "0" and r.versions[-1] == "1" for r in rollouts), [set(r.versions) for r in rollouts]
+    assert agreement.mixed == 2 and len(agreement.diffs) == sum(r.num_tokens for r in rollouts)
+    assert agreement.mixed_max <= TOLERANCE and agreement.verdict(TOLERANCE) == "ok"
+    # The check has power: the tokens after the sync, re-scored under the old weights, differ.
+    old = policy.weights_of(0)
+    with torch.no_grad():
+        stale = completion_logprobs(policy.model, rollouts, policy.pad_id, old)
+    after = [
+        abs(float(lp[i]) - r.logprobs[i])
+        for r, lp in zip(rollouts, stale)
+        for i, v in enumerate(r.versions)
+        if v == "1"
+    ]
+    assert after and max(after) > 10 * TOLERANCE
+
+
 async def test_the_demo_cli_writes_its_log_and_plot(rl_server, tiny_model_dir, tmp_path):
     out = tmp_path / "demo"
     rc, output = await demo("--server", rl_server.target, "--model", str(tiny_model_dir), "--steps", "2",
@@ -165,6 +220,20 @@ async def test_the_demo_against_a_server_without_a_transfer_backend_says_so(serv
     assert (tmp_path / "demo.png").exists()
 
 
+async def test_the_demo_against_no_server_says_what_it_waits_for_and_ends_within_its_minutes(tiny_model_dir, tmp_path):
+    """It waited silently for 5 minutes whatever --minutes said."""
+    from rlserve.launch import free_port
+
+    started = asyncio.get_running_loop().time()
+    rc, output = await demo("--server", f"127.0.0.1:{free_port()}", "--model", str(tiny_model_dir), "--minutes", "0.25",
+                            "--out", str(tmp_path))  # fmt: skip
+    assert rc == 1, output[-2000:]
+    assert asyncio.get_running_loop().time() - started < 60, "bounded by --minutes (15 s) and the start-up"
+    waits = [line for line in output.splitlines() if line.startswith("waiting for the server at")]
+    assert len(waits) >= 2 and "UNAVAILABLE" in waits[0], output[-2000:]
+    assert "did not serve within 15 s" in output and "Traceback" not in output, output[-2000:]
+
+
 async def test_the_demo_refuses_arguments_that_cannot_work():
     rc, output = await demo("--server", "127.0.0.1:1", "--group-size", "1")
     assert rc == 2 and "--group-size" in output
@@ -176,6 +245,20 @@ async def test_the_demo_refuses_arguments_that_cannot_work():
 def rollout(versions: list[str], logprobs: list[float], advantage: float = 1.0, group: int = 0) -> Rollout:
     n = len(versions)
     return Rollout(Problem("q", "1"), group, [1, 2], list(range(n)), logprobs, versions, "", "LENGTH", 0.0, advantage)
+
+
+def test_nothing_compared_is_its_own_verdict_never_a_pass():
+    from rlserve.rl.loop import Agreement
+
+    assert Agreement().verdict(TOLERANCE) == "none"
+    mixed = Agreement()
+    mixed.add(torch.tensor([0.0, 5.0]), rollout(["3", "4"], [0.0, 0.0]))
+    assert (mixed.diffs, mixed.mixed, mixed.mixed_max) == ([0.0, 5.0], 1, 5.0) and mixed.verdict(
+        TOLERANCE
+    ) == "mismatch"
+    wrong = Agreement()
+    wrong.add(torch.tensor([0.5]), rollout(["3"], [0.0]))
+    assert wrong.verdict(TOLERANCE) == "mismatch"
 
 
 def test_the_loss_gives_no_gradient_to_a_token_beyond_the_staleness_bound():

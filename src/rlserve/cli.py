@@ -223,6 +223,19 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
     )
 
 
+def model_misfit(engine: EngineConfig) -> str:
+    """Why `--model` cannot be served, in one line ("" when it can): rlserve serves a local
+    Hugging Face model directory (vLLM would take a missing path for a hub repo id)."""
+    if engine.is_default_model:
+        return ""  # converted by the server once it listens
+    path = Path(engine.model)
+    if not path.is_dir():
+        return f"--model {engine.model}: no such directory (give a local Hugging Face model directory)"
+    if not (path / "config.json").is_file():
+        return f"--model {engine.model}: no config.json there: not a Hugging Face model directory"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
@@ -234,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         config = serve_config(args)
     except ValueError as e:
         print(f"rlserve: {e}", file=sys.stderr)
+        return 2
+    problem = model_misfit(config.engine)
+    if problem:
+        print(f"rlserve: {problem}", file=sys.stderr)
         return 2
     metrics_directory = None
     if config.num_frontends > 1 and config.metrics_port is not None:

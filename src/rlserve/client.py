@@ -200,6 +200,17 @@ class Client:
                 watch.cancel()
                 return
 
+    def health_problem(self, timeout_s: float = 2.0) -> str:
+        """Why the server does not serve, in a few words ("" when it does): its health, or
+        why it cannot be reached ("connection refused", ...)."""
+        try:
+            status = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            return f"{e.code().name}: {e.details()}"
+        if status.status == health_pb2.HealthCheckResponse.SERVING:
+            return ""
+        return "it answers but does not serve yet (NOT_SERVING: its engine is starting, or it shuts down)"
+
     def generate(self, prompt: Prompt, *, timeout_s: float | None = None, **kw: Any) -> inference_pb2.GenerateResponse:
         return self.inference.Generate(generate_request(prompt, **kw), timeout=timeout_s)
 

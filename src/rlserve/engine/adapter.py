@@ -196,8 +196,15 @@ class EngineAdapter:
         self._llm.shutdown()
 
     async def close(self) -> None:
+        """Before `shutdown`, on the event loop, once every request has ended."""
         if self.transport is not None:
             await self.transport.close()
+        # vLLM cancels its output handler only after the engine has stopped, from the thread
+        # that stops it: the handler could see the engine gone first and log that as a failure
+        # with a traceback (a clean shutdown's log said ERROR).
+        handler = getattr(self._llm, "output_handler", None)
+        if handler is not None:
+            handler.cancel()
 
     # Generation ---------------------------------------------------------------------------
 

@@ -47,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: the loop's)")
+    p.add_argument(
+        "--train-dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="the training pass's dtype (bfloat16: autocast); auto: time both on step 1 and keep the faster",
+    )
     p.add_argument("--async", dest="asynchronous", action="store_true", help="generate while training")
     p.add_argument("--max-staleness", type=int, default=None, help="versions (default: 1 with --async, else 0)")
     p.add_argument("--max-operand", type=int, default=9, help="sums of numbers up to this")
@@ -97,8 +103,8 @@ def _train(args: argparse.Namespace, model_dir: Path, targets, credentials) -> i
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlserve.rl.loop import GrpoConfig, GrpoLoop, Policy
-    from rlserve.rl.report import Progress, StepLog, plot
+    from rlserve.rl.loop import AGREEMENT_OK, GrpoConfig, GrpoLoop, Policy, ServerNotServing
+    from rlserve.rl.report import Progress, StepLog, cpu_description, plot
     from rlserve.rl.rollout import SamplingConfig
     from rlserve.rl.tasks import Arithmetic
     from rlserve.trainer import WeightSyncError
@@ -113,6 +119,7 @@ def _train(args: argparse.Namespace, model_dir: Path, targets, credentials) -> i
         asynchronous=args.asynchronous,
         max_staleness=staleness,
         seed=args.seed,
+        train_dtype=args.train_dtype,
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     policy = Policy(model, AutoTokenizer.from_pretrained(model_dir), lr=config.lr, keep_versions=staleness)
@@ -132,10 +139,14 @@ def _train(args: argparse.Namespace, model_dir: Path, targets, credentials) -> i
     mode = f"async, max staleness {staleness}" if args.asynchronous else "synchronous"
     servers = ", ".join(loop.fleet.servers if loop.fleet is not None else targets)
     progress.message(f"GRPO on {model_dir.name} via rlserve at {servers} ({mode}); log: {log.path}")
+    progress.message(f"trainer CPU: {cpu_description()}")
     status = 0
 
     def on_step(record) -> None:
         log.write(record)
+        if record.step == 1 and loop.train_dtype_seconds:
+            timed = ", ".join(f"{d} {s:.2f} s" for d, s in loop.train_dtype_seconds.items())
+            progress.message(f"training in {record.train_dtype}: the faster here on a slice of step 1 ({timed})")
         progress.step(record)
 
     try:
@@ -144,10 +155,14 @@ def _train(args: argparse.Namespace, model_dir: Path, targets, credentials) -> i
             max_seconds=args.minutes * 60 or None,
             on_step=on_step,
             on_phase=progress.phase,
+            on_wait=progress.message,
             stop=stop,
         )
     except KeyboardInterrupt:
         progress.message("stopped")
+    except ServerNotServing as e:
+        progress.message(f"rlserve demo: {e}")
+        status = 1
     except (grpc.RpcError, WeightSyncError, RuntimeError) as e:
         reason = e.details() if isinstance(e, grpc.RpcError) else str(e)
         progress.message(f"rlserve demo: stopped at step {len(loop.records) + 1}: {reason}")
@@ -158,10 +173,21 @@ def _train(args: argparse.Namespace, model_dir: Path, targets, credentials) -> i
         loop.close()
         picture = plot(loop.records, args.out / "demo.png", title=f"GRPO on {model_dir.name} via rlserve ({mode})")
         progress.message(_summary(loop.records) + f"\nplot: {picture}  log: {log.path}")
+    unchecked = {r.step: r.agreement for r in loop.records if r.agreement != AGREEMENT_OK}
+    if unchecked:
+        progress.message(
+            "rlserve demo: the trainer's and the server's logprobs did not agree at steps "
+            + ", ".join(f"{step} ({how})" for step, how in unchecked.items())
+            + f" (tolerance {config.agreement_tolerance:g}): the served weights were not the version's"
+        )
+        status = status or 1
     return status
 
 
 def _misfit(args: argparse.Namespace) -> str:
+    empty = [arg for arg in args.server if not all(s.strip() for s in arg.split(","))]
+    if empty:
+        return f"--server needs HOST:PORT, comma-separated for several (got {empty[0]!r})"
     if args.group_size < 2:
         return "--group-size must be at least 2 (advantages compare completions of one prompt)"
     for flag in ("steps", "prompts_per_step", "max_new_tokens", "max_operand"):
@@ -175,16 +201,17 @@ def _misfit(args: argparse.Namespace) -> str:
 
 
 def _summary(records) -> str:
+    from rlserve.rl.report import reward_rise
+
     if not records:
         return "no step finished"
-    k = max(1, len(records) // 5)
-    first = sum(r.reward_mean for r in records[:k]) / k
-    last = sum(r.reward_mean for r in records[-k:]) / k
+    first, last, rise_se, k = reward_rise(records)
     minutes = records[-1].elapsed_s / 60
     sync = sorted(r.sync_s for r in records)[len(records) // 2]
     return (
-        f"{len(records)} steps in {minutes:.1f} min ({len(records) / max(minutes, 1e-9):.1f}/min); "
-        f"reward {first:.2f} -> {last:.2f} (mean of the first and last {k} steps); sync p50 {sync:.2f} s; "
+        f"{len(records)} steps in {minutes:.1f} min ({len(records) / max(minutes, 1e-9):.1f}/min, "
+        f"training in {records[-1].train_dtype}); reward {first:.2f} -> {last:.2f} (mean of the first and last "
+        f"{k} steps: {rise_se:+.1f} standard errors of the step-to-step noise); sync p50 {sync:.2f} s; "
         f"|Δlogp| max {max(r.logprob_diff_max for r in records):.1e}"
     )
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from rlserve.rl.loop import StepRecord
+from rlserve.rl.loop import AGREEMENT_MISMATCH, StepRecord
 
 
 class Progress:
@@ -30,7 +30,9 @@ class Progress:
 
     def step(self, r: StepRecord) -> None:
         agreement = (
-            f"{r.logprob_diff_mean:.1e} (max {r.logprob_diff_max:.1e})" if r.agreement_tokens else "n/a (none kept)"
+            f"{r.logprob_diff_mean:.1e} (max {r.logprob_diff_max:.1e})"
+            if r.agreement_tokens
+            else "not checked (no token's version kept)"
         )
         line = (
             f"step {r.step:3d}  reward {r.reward_mean:5.2f} ± {r.reward_std:4.2f}  "
@@ -38,7 +40,7 @@ class Progress:
             f"{r.tokens_per_s:6.0f} tok/s  |Δlogp| {agreement}  "
             f"{r.elapsed_s:5.0f}s"
         )
-        if not r.agreement_ok:
+        if r.agreement == AGREEMENT_MISMATCH:
             line += "  <- trainer and server disagree: the served weights are not the version's"
         self._out.write(("\r\x1b[K" if self._live else "") + line + "\n")
         self._out.flush()
@@ -46,6 +48,42 @@ class Progress:
     def message(self, text: str) -> None:
         self._out.write(("\r\x1b[K" if self._live else "") + text + "\n")
         self._out.flush()
+
+
+def cpu_description() -> str:
+    """The CPU figures come from: its model, cores, and whether it does bf16 natively."""
+    import os
+    import platform
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    native = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    bf16 = f"native bf16: {', '.join(native)}" if native else "no native bf16 (no avx512_bf16, no amx_bf16)"
+    return f"{model}, {os.cpu_count()} cores, {bf16}"
+
+
+def reward_rise(records: Sequence[StepRecord]) -> tuple[float, float, float, int]:
+    """(mean reward of the first k steps, of the last k, their difference in standard errors
+    of the step-to-step noise, k): k is a fifth of the steps, at least 1."""
+    k = max(1, len(records) // 5)
+    first, last = [r.reward_mean for r in records[:k]], [r.reward_mean for r in records[-k:]]
+
+    def mean_and_se2(xs: list[float]) -> tuple[float, float]:
+        m = sum(xs) / len(xs)
+        var = sum((x - m) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else 0.0
+        return m, var / len(xs)
+
+    (a, va), (b, vb) = mean_and_se2(first), mean_and_se2(last)
+    se = (va + vb) ** 0.5
+    return a, b, (b - a) / se if se > 0 else float("inf") if b != a else 0.0, k
 
 
 class StepLog:
