@@ -145,6 +145,23 @@ async def test_one_sync_serves_the_trainers_weights_on_every_server(servers, tin
         assert await greedy(s.inference) == reference
 
 
+async def test_a_fleet_sync_leaves_a_member_someone_else_paused_paused(servers, tiny_model_dir):
+    """An operator drains one member (pause ABORT); the fleet's sync lands on both and resumes
+    only the one it paused (it used to resume the operator's pause too)."""
+    a, b = servers
+    await b.control.PauseGeneration(cpb.PauseGenerationRequest(mode=cpb.PAUSE_MODE_ABORT))
+    try:
+        weights = perturbed(tiny_model_dir, seed=12)
+        async with AsyncFleet([s.target for s in servers], timeout_s=TIMEOUT_S) as fleet:
+            stats = await fleet.sync(weights, "drained")
+        assert stats.left_paused == (b.target,)
+        assert [(await state(s)).pause_phase for s in servers] == [lpb.PAUSE_PHASE_RUNNING, lpb.PAUSE_PHASE_PAUSED]
+        assert [(await state(s)).weight_version for s in servers] == ["drained", "drained"]
+        assert await served(b) == digests_of(weights)
+    finally:
+        await b.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+
+
 async def test_init_names_the_server_that_does_not_fit(servers, tiny_model_dir):
     a, b = servers
     # b alone gets other weights: no longer the fleet's.

@@ -123,7 +123,7 @@ async def test_both_frontends_serve_and_answer_for_one_server(fronts):
     assert sorted(served) == [0, 1] and all(served.values()), served
     assert sum(served.values()) == NUM_CHANNELS
     pids = {f.pid for f in state.frontends}
-    assert fronts.server.pid in pids and len(pids) == 2
+    assert fronts.server.pid in pids and len(pids) == 2 and state.num_frontends == 2
     # Either process answers the inference address's reads as the one server it is.
     infos = await asyncio.gather(
         *(control_pb2_grpc.ControlStub(ch).GetServerInfo(cpb.GetServerInfoRequest()) for ch in fronts.channels)
@@ -296,6 +296,7 @@ async def test_a_killed_frontend_is_noticed_by_its_process_cleared_and_started_a
 
     # Dropped from GetState once its aborts went to the engine.
     await eventually(only_the_leader, timeout_s=10)
+    assert (await fronts.state()).num_frontends == 2, "one configured frontend does not serve"
     before_resume = time.time()
     await fronts.control.ResumeGeneration(cpb.ResumeGenerationRequest())
     load = await fresh_load(fronts, before_resume)

@@ -297,3 +297,17 @@ async def test_without_weight_transfer_every_transfer_rpc_fails_closed(control):
     ):
         details = await expect(PRECONDITION, call(req))
         assert "weight transfer is not configured" in details
+
+
+@pytest.mark.parametrize("mode", [cpb.PAUSE_MODE_ABORT, cpb.PAUSE_MODE_KEEP])
+async def test_a_sync_leaves_someone_elses_pause_in_place(mode, target, stubs, tiny_model_dir, tmp_path):
+    """An operator paused the server (to drain it, say); a trainer's sync lands, and the
+    server stays paused: the SDK used to resume a pause it had not made."""
+    control, _, lifecycle = stubs
+    await control.PauseGeneration(cpb.PauseGenerationRequest(mode=mode))
+    weights = save_weights(perturbed(tiny_model_dir, seed=6), tmp_path / "w.safetensors")
+    rc, stats, err = await run_trainer(target, weights, "while-paused")
+    assert rc == 0, err
+    assert stats["weight_version"] == "while-paused" and stats["resumed"] is False
+    state = await lifecycle.GetState(lpb.GetStateRequest())
+    assert state.pause_phase == lpb.PAUSE_PHASE_PAUSED and state.weight_version == "while-paused"

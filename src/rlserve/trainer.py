@@ -75,6 +75,9 @@ class SyncStats:
     checksum: str
     # FinishWeightUpdate: the server's commit into the model (and its prefix-cache reset).
     commit_s: float = 0.0
+    # False when the server was paused by someone else when the sync began: it is left
+    # paused, as it was found (pause_to_resume_s then ends at the commit).
+    resumed: bool = True
 
     @property
     def transfer_gb_per_s(self) -> float:
@@ -306,7 +309,9 @@ class WeightSync:
         only, as changes to the weights the server serves now. Where a patch would be no
         smaller, or the server no longer serves what was last sent, the whole tensors go."""
         mode = PauseMode(pause_mode)
-        tensors, chunks, dense = self._prepare(weights, patch)
+        tensors, chunks, dense, state = self._prepare(weights, patch)
+        # Someone else's pause (an operator draining the server) is theirs to end.
+        resume = state.pause_phase == lifecycle_pb2.PAUSE_PHASE_RUNNING
         num_bytes = sum(c.num_bytes for c in chunks)
         control, rpc_s = self._client.control, self._rpc_timeout_s
         t_pause = time.perf_counter()
@@ -326,8 +331,9 @@ class WeightSync:
             control.FinishWeightUpdate(finish, timeout=self._step_timeout_s(num_bytes))
             commit_s = time.perf_counter() - t_commit
         except Exception as e:
-            raise self._recover(e) from e
-        control.ResumeGeneration(cpb.ResumeGenerationRequest(), timeout=rpc_s)
+            raise self._recover(e, resume) from e
+        if resume:
+            control.ResumeGeneration(cpb.ResumeGenerationRequest(), timeout=rpc_s)
         pause_to_resume_s = time.perf_counter() - t_pause
         self._published = version
         if patch is True:
@@ -345,6 +351,7 @@ class WeightSync:
             pause_to_resume_s=pause_to_resume_s,
             commit_s=commit_s,
             checksum=checksum,
+            resumed=resume,
         )
 
     def sync_lora(
@@ -362,7 +369,7 @@ class WeightSync:
         they started with. `new_version` replaces an adapter already loaded under `name`;
         without it a loaded name is refused. Raises WeightSyncError (the old version, if
         any, keeps serving)."""
-        tensors, chunks, _ = self._prepare(adapter, False)
+        tensors, chunks, _, _ = self._prepare(adapter, False)
         start = lifecycle_pb2.StartLoraUpdateRequest(
             lora_name=name,
             version=version,
@@ -402,9 +409,9 @@ class WeightSync:
 
     def _prepare(
         self, weights: NamedTensors, patch: bool | Mapping[str, torch.Tensor]
-    ) -> tuple[dict[str, torch.Tensor], list[ChunkInfo], dict[str, torch.Tensor]]:
-        """What to send, its chunks and the whole tensors it makes; a usable transport (a
-        rendezvous if needed)."""
+    ) -> tuple[dict[str, torch.Tensor], list[ChunkInfo], dict[str, torch.Tensor], Any]:
+        """What to send, its chunks, the whole tensors it makes, and the server's state; a
+        usable transport (a rendezvous if needed)."""
         state = self._lifecycle.GetState(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
         # Sent in the dtype the server computes with: what it serves is then what was sent.
         dense, chunks = plan_sync(
@@ -424,7 +431,7 @@ class WeightSync:
         small = isinstance(self._sender, ShmSender) and self._sender.capacity < needed
         if self._sender is None or not self._sender.joined or not state.transport_ready or small:
             self.init(shm_capacity=needed or DEFAULT_CHUNK_BYTES)
-        return tensors, chunks, dense
+        return tensors, chunks, dense, state
 
     def _changed(
         self, dense: Mapping[str, torch.Tensor], patch: bool | Mapping[str, torch.Tensor], served_version: str
@@ -483,14 +490,16 @@ class WeightSync:
             raise
         rpc.result()
 
-    def _recover(self, error: Exception) -> WeightSyncError:
-        """Abort the session; resume when the served weights are still the old ones."""
+    def _recover(self, error: Exception, resume: bool) -> WeightSyncError:
+        """Abort the session; resume (when `resume`: the sync paused it) when the served
+        weights are still the old ones."""
         reason = error.details() if isinstance(error, grpc.RpcError) else str(error)
         try:
             self._lifecycle.AbortWeightUpdate(lifecycle_pb2.AbortWeightUpdateRequest(), timeout=self._rpc_timeout_s)
             state = self._lifecycle.GetState(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
             if state.weights_consistent and not state.asleep:
-                self._client.control.ResumeGeneration(cpb.ResumeGenerationRequest(), timeout=self._rpc_timeout_s)
+                if resume:
+                    self._client.control.ResumeGeneration(cpb.ResumeGenerationRequest(), timeout=self._rpc_timeout_s)
                 return WeightSyncError(f"weight sync failed, old weights kept: {reason}", resumed_on_old_weights=True)
         except grpc.RpcError as e:
             reason += f" (recovery failed too: {e.details()})"

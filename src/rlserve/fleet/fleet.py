@@ -193,6 +193,8 @@ class Fleet:
         t_init = time.perf_counter()
         states = self._current_states()
         members = list(self._members.values())
+        # A member someone else paused (an operator draining it) stays paused: theirs to end.
+        found_paused = {n for n, s in states.items() if s.pause_phase != lifecycle_pb2.PAUSE_PHASE_RUNNING}
         if not self._group.spans(self._members) or not all(s.transport_ready for s in states.values()):
             self.init(require_same_weights=False)
         init_s = time.perf_counter() - t_init
@@ -227,7 +229,7 @@ class Fleet:
             )
             check_votes(prepared, len(chunks), sum(len(c.tensors) for c in chunks))
         except Failed as e:
-            raise self._abandon(members, paused, e) from e
+            raise self._abandon(members, [m for m in paused if m.name not in found_paused], e) from e
         prepare_s = time.perf_counter() - t0 - transfer_s
         # The vote is in: from here on a server that fails is dropped, the others commit.
         t_commit = time.perf_counter()
@@ -248,7 +250,7 @@ class Fleet:
         for m in failed:
             self._drop(m.name, f"sync to {version!r}: {outcomes[m.name]}")
         resumed = each_outcome(
-            committed,
+            [m for m in committed if m.name not in found_paused],
             lambda m: m.client.control.ResumeGeneration.future(
                 cpb.ResumeGenerationRequest(), timeout=self._rpc_timeout_s
             ),
@@ -280,6 +282,7 @@ class Fleet:
             commit_s=commit_s,
             pause_to_resume_s=pause_to_resume_s,
             checksum=combined_checksum(mine),
+            left_paused=tuple(sorted(found_paused)),
         )
 
     def _check_partial(self, members: list[Member], names: set[str]) -> None:

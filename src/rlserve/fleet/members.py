@@ -61,6 +61,8 @@ class FleetSyncStats:
     commit_s: float
     pause_to_resume_s: float
     checksum: str
+    # Servers someone else had paused when the sync began: left paused, as found.
+    left_paused: tuple[str, ...] = ()
 
 
 @dataclass

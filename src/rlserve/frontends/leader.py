@@ -53,7 +53,8 @@ class FrontendHub:
     frontend submitted them (those of a frontend that is gone); `serving(state)` says whether
     inference serves; `observe_rpc` counts the other frontends' RPCs with this one's;
     `merge_load` keeps the scheduler figures they received; `tokens_text()` is the credentials
-    in force; `num_restarts(index)` how often frontend `index` was restarted."""
+    in force; `num_restarts(index)` how often frontend `index` was restarted, of
+    `num_frontends` in all."""
 
     def __init__(
         self,
@@ -65,6 +66,7 @@ class FrontendHub:
         merge_load: Callable[[EngineLoad], None],
         tokens_text: Callable[[], str | None],
         num_restarts: Callable[[int], int],
+        num_frontends: int,
     ) -> None:
         self._lifecycle = lifecycle
         self._path = path
@@ -78,7 +80,7 @@ class FrontendHub:
         self._server: asyncio.AbstractServer | None = None
         self._watch: asyncio.Task[None] | None = None
         self.on_ready: Callable[[int], None] = lambda index: None
-        lifecycle.attach_frontends(self._forward_abort, self._statuses)
+        lifecycle.attach_frontends(self._forward_abort, self._statuses, num_frontends)
 
     def ready_indexes(self) -> set[int]:
         """The frontends that serve the inference port now."""

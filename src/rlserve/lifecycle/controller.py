@@ -88,6 +88,7 @@ class LifecycleController:
         # This process's generation requests, and the other frontend processes' (a hub's).
         self._num_requests = self._num_open_requests = 0
         self._other_frontends: Callable[[], tuple[FrontendStatus, ...]] = tuple
+        self._num_frontends = 1
         engine.monitor.on_dead(lambda reason: self._gate.fail_all(EngineUnavailable(reason)))
         self.weights = WeightUpdates(
             self._owner,
@@ -165,12 +166,17 @@ class LifecycleController:
                 admission.entered()
 
     def attach_frontends(
-        self, forward_abort: Callable[[list[str]], None], statuses: Callable[[], tuple[FrontendStatus, ...]]
+        self,
+        forward_abort: Callable[[list[str]], None],
+        statuses: Callable[[], tuple[FrontendStatus, ...]],
+        num_frontends: int,
     ) -> None:
         """Other frontend processes admit through this one: `forward_abort(ids)` hears every
-        Abort (they abort their requests), `statuses()` says what they have (GetState)."""
+        Abort (they abort their requests), `statuses()` says what those serving have
+        (GetState), of `num_frontends` configured in all."""
         self._abort_forwards.append(forward_abort)
         self._other_frontends = statuses
+        self._num_frontends = num_frontends
 
     def frontends(self) -> tuple[FrontendStatus, ...]:
         """This process (frontend 0) and the other frontend processes."""
@@ -417,6 +423,7 @@ class LifecycleController:
             weight_dtype=self._engine.weight_dtype,
             stages_updates=self._engine.transport is not None and self._engine.transport.stages_updates,
             frontends=self.frontends(),
+            num_frontends=self._num_frontends,
         )
 
     def watch(self) -> AsyncIterator[LifecycleState]:

@@ -91,6 +91,7 @@ class LifecycleSnapshot:
     # Updates are built beside the served weights: an abort or failure leaves them intact.
     stages_updates: bool = False
     frontends: tuple[FrontendStatus, ...] = ()
+    num_frontends: int = 1  # configured (--frontends); `frontends` lists those serving
 
 
 def is_stronger(requested: PauseMode, state: LifecycleState) -> bool:

@@ -425,6 +425,7 @@ def lifecycle_snapshot(snap: LifecycleSnapshot) -> lifecycle_pb2.LifecycleState:
     msg.capabilities.CopyFrom(_capabilities(snap.capabilities))
     msg.weight_dtype = snap.weight_dtype
     msg.stages_updates = snap.stages_updates
+    msg.num_frontends = snap.num_frontends
     for f in snap.frontends:
         msg.frontends.add(
             index=f.index,

@@ -118,6 +118,7 @@ class Frontends:
             engine.load.merge if engine.load is not None else lambda load: None,
             lambda: credentials.text if credentials is not None else None,
             lambda index: self._seats[index].num_restarts if index in self._seats else 0,
+            self._config.num_frontends,
         )
         self._hub.on_ready = self._joined
         await self._hub.start()
