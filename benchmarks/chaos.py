@@ -286,14 +286,16 @@ class Chaos:
 
 
 def resources(pid: int) -> dict:
-    """Resident memory and open fds of the server's processes: frontends and engine."""
+    """Resident memory and open fds of the server's processes (frontends, engine, helpers),
+    and the processes by title."""
     root = psutil.Process(pid)
-    rss, fds = 0, 0
+    rss, fds, titles = 0, 0, Counter()
     for proc in [root, *root.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
             rss += proc.memory_info().rss
             fds += proc.num_fds()
-    return {"rss_mb": round(rss / 2**20, 1), "fds": fds, "processes": 1 + len(root.children(recursive=True))}
+            titles[proc.name()] += 1
+    return {"rss_mb": round(rss / 2**20, 1), "fds": fds, "processes": dict(sorted(titles.items()))}
 
 
 # The trainer: the SDK in a process of its own, perturbed weights synced once ("landed").
