@@ -274,3 +274,60 @@ async def test_a_lora_session_is_no_weight_session_and_an_empty_one_changes_noth
         await expect(PRECONDITION, s.lifecycle.FinishLoraUpdate(lpb.FinishLoraUpdateRequest()))
     finally:
         trainer.close()
+
+
+async def test_hostile_pushes_are_refused_clearly_and_change_nothing(s, tmp_path):
+    """A rank beyond the engine's, an absurd one, a config whose rank the tensors do not have,
+    two pushes at once, a push while a base-weight update is open: each is a clear refusal
+    (or, for the race, one push lands and the other is refused), and the engine serves on.
+    (Tensors in another dtype are converted by the SDK; raw ones are refused, as for base
+    weights in test_transfer_faults.)"""
+    from helpers import HandTrainer
+
+    from rlserve.trainer import WeightSyncError
+
+    path = make_tiny_lora(tmp_path / "hostile", seed=23)
+    tensors, config = adapter_in_memory(path)
+    wide, wide_config = adapter_in_memory(make_tiny_lora(tmp_path / "wide", seed=24, rank=16))
+    base = await greedy(s)
+    refusals = {}
+    for case, (t, c) in {
+        "rank beyond --max-lora-rank": (wide, wide_config),
+        "absurd rank": (tensors, {**config, "r": 10**9}),
+        "a rank the tensors do not have": (tensors, {**config, "r": 4}),
+    }.items():
+        try:
+            await asyncio.to_thread(push, s.target, t, "hostile", c, "v1")
+            refusals[case] = "accepted"
+        except WeightSyncError as e:
+            refusals[case] = str(e)
+    assert all(r != "accepted" for r in refusals.values()), refusals
+    assert "max" in refusals["rank beyond --max-lora-rank"], refusals
+    assert not (await s.control.ListLoras(cpb.ListLorasRequest())).adapters
+    # Two pushes at once, under two names: the server holds one session at a time.
+    outcomes = await asyncio.gather(
+        asyncio.to_thread(push, s.target, tensors, "first", config, "v1"),
+        asyncio.to_thread(push, s.target, tensors, "second", config, "v1"),
+        return_exceptions=True,
+    )
+    landed = [o for o in outcomes if not isinstance(o, BaseException)]
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    assert landed and all(isinstance(e, WeightSyncError) for e in failed), outcomes
+    listed = {a.lora_name for a in (await s.control.ListLoras(cpb.ListLorasRequest())).adapters}
+    assert listed == {o.lora_name for o in landed}
+    for name in listed:
+        await s.control.UnloadLora(cpb.UnloadLoraRequest(lora_name=name))
+    # No push can meet a base-weight update here: a server with --enable-lora refuses those
+    # (vLLM wraps its layers for LoRA), clearly, and is left as it was.
+    trainer = HandTrainer(s.target)
+    await trainer.init()
+    try:
+        await s.control.PauseGeneration(cpb.PauseGenerationRequest(mode=cpb.PAUSE_MODE_KEEP))
+        refused = await expect(PRECONDITION, s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest()))
+        assert "--enable-lora" in refused
+        state = await s.lifecycle.GetState(lpb.GetStateRequest())
+        assert not state.HasField("update_session") and state.weights_consistent
+        await s.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+    finally:
+        trainer.close()
+    assert await greedy(s) == base

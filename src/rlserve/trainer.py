@@ -309,7 +309,7 @@ class WeightSync:
         only, as changes to the weights the server serves now. Where a patch would be no
         smaller, or the server no longer serves what was last sent, the whole tensors go."""
         mode = PauseMode(pause_mode)
-        tensors, chunks, dense, state = self._prepare(weights, patch)
+        tensors, chunks, dense, state = self._begin(weights, patch)
         # Someone else's pause (an operator draining the server) is theirs to end.
         resume = state.pause_phase == lifecycle_pb2.PAUSE_PHASE_RUNNING
         num_bytes = sum(c.num_bytes for c in chunks)
@@ -369,7 +369,7 @@ class WeightSync:
         they started with. `new_version` replaces an adapter already loaded under `name`;
         without it a loaded name is refused. Raises WeightSyncError (the old version, if
         any, keeps serving)."""
-        tensors, chunks, _, _ = self._prepare(adapter, False)
+        tensors, chunks, _, _ = self._begin(adapter, False)
         start = lifecycle_pb2.StartLoraUpdateRequest(
             lora_name=name,
             version=version,
@@ -406,6 +406,19 @@ class WeightSync:
         sender, self._sender = self._sender, None
         if isinstance(sender, ShmSender):
             sender.close()
+
+    def _begin(
+        self, weights: NamedTensors, patch: bool | Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], list[ChunkInfo], dict[str, torch.Tensor], Any]:
+        """`_prepare`, with a refusal before anything changed (another trainer's init or
+        session in the way, say) as WeightSyncError like every later one."""
+        try:
+            return self._prepare(weights, patch)
+        except grpc.RpcError as e:
+            raise WeightSyncError(
+                f"the sync could not begin, nothing changed: {e.code().name}: {e.details()}",
+                resumed_on_old_weights=True,
+            ) from e
 
     def _prepare(
         self, weights: NamedTensors, patch: bool | Mapping[str, torch.Tensor]

@@ -42,6 +42,12 @@ class ServedWeights:
         if tensor_parallel_size != 1:
             raise WorkerError(ErrorCode.UNSUPPORTED, "served-weight digests need tensor_parallel_size 1")
         self._names = frozenset(checkpoint_names)
+        if any(name.endswith(".base_layer") for name, _ in model.named_modules()):
+            raise WorkerError(
+                ErrorCode.UNSUPPORTED,
+                "the base weights of a server started with --enable-lora cannot be updated or digested "
+                "(vLLM wraps its layers for LoRA); push LoRA adapters, or serve without --enable-lora",
+            )
         self._sites = _find_sites(model, self._names)
         missing = sorted(self._names - self._sites.keys())
         if missing:
