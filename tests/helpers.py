@@ -249,10 +249,12 @@ class HandTrainer:
         vote: bool = True,
         broadcast: bool = True,
         raw_vote: torch.Tensor | None = None,
+        delay_s: float = 0.0,
     ):
         """UpdateWeights with `chunk`, voting and sending `tensors` (one bucket) alongside;
         `broadcast=False` votes yes and then sends nothing, as a trainer that hangs;
-        `raw_vote` is all-reduced in place of a well-formed vote."""
+        `raw_vote` is all-reduced in place of a well-formed vote; `delay_s` between the vote
+        and the bytes, as a slow trainer on a slow link."""
         loop = asyncio.get_running_loop()
         request = cpb.UpdateWeightsRequest(update_info_json=json.dumps(chunk).encode())
         rpc = loop.run_in_executor(self.pool, self.client.control.UpdateWeights, request)
@@ -265,6 +267,7 @@ class HandTrainer:
             group = self.group
             assert group is not None
             go = await loop.run_in_executor(self.pool, group.vote, vote)
+            await asyncio.sleep(delay_s)
             if go and broadcast:
                 flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
                 with contextlib.suppress(RuntimeError):  # a server that dropped a malformed send

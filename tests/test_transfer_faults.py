@@ -209,6 +209,29 @@ async def test_a_session_whose_trainer_went_away_is_aborted_by_its_lease(wt_engi
         await s.control.ResumeGeneration(cpb.ResumeGenerationRequest())
 
 
+async def test_a_slow_trainer_mid_chunk_keeps_its_lease(wt_engine, engine_config, tiny_model_dir):
+    """A chunk that takes twice the lease to arrive (a slow trainer on a slow link, well
+    inside the transfer deadline): the lease does not run while a chunk is received, so the
+    session lives and commits; the lease starts again once the chunk has landed."""
+    async with serving(wt_engine, config(engine_config, transfer_timeout_s=10.0, update_lease_s=2.0)) as s:
+        trainer = HandTrainer(s.target, timeout_s=10.0)
+        try:
+            await trainer.init()
+            name, tensor = "model.norm.weight", checkpoint(tiny_model_dir)["model.norm.weight"]
+            await pause(s.control, KEEP)
+            await s.control.StartWeightUpdate(cpb.StartWeightUpdateRequest())
+            await trainer.send(chunk_of([(name, tensor)]), [tensor], delay_s=4.0)
+            state = await s.lifecycle.GetState(lpb.GetStateRequest())
+            assert state.update_session.num_chunks == 1, "the session outlived its lease while the chunk arrived"
+            await s.control.FinishWeightUpdate(cpb.FinishWeightUpdateRequest(weight_version="slow-but-alive"))
+            await s.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+        finally:
+            trainer.close()
+        state = await s.lifecycle.GetState(lpb.GetStateRequest())
+        assert state.weight_version == "slow-but-alive" and state.weights_consistent
+        assert "session_lease_expired" not in [a.operation for a in state.recent_mutations]
+
+
 async def test_the_sdk_surfaces_a_refusal_at_once(wt_engine, engine_config, tiny_model_dir):
     """The server refuses the chunk before its workers vote (an empty tensor name): the SDK
     reports the server's reason at once, not after its own 30 s deadline, and resumes."""
