@@ -282,9 +282,9 @@ async def test_hostile_pushes_are_refused_clearly_and_change_nothing(s, tmp_path
     (or, for the race, one push lands and the other is refused), and the engine serves on.
     (Tensors in another dtype are converted by the SDK; raw ones are refused, as for base
     weights in test_transfer_faults.)"""
-    from helpers import HandTrainer
-
     from rlserve.trainer import WeightSyncError
+
+    from helpers import HandTrainer
 
     path = make_tiny_lora(tmp_path / "hostile", seed=23)
     tensors, config = adapter_in_memory(path)
