@@ -77,11 +77,15 @@ async def served(s) -> dict[str, str]:
 
 
 async def restored(s, tiny_model_dir) -> None:
-    """A complete update makes the weights whole again; generation resumes."""
+    """A complete update makes the weights whole again, and generation can resume. The pause
+    is the hand trainer's, so the sync leaves it in place; resuming it is allowed again."""
     weights = checkpoint(tiny_model_dir)
-    await asyncio.to_thread(sync, s.target, weights, "whole")
+    stats = await asyncio.to_thread(sync, s.target, weights, "whole")
     state = await s.lifecycle.GetState(lpb.GetStateRequest())
     assert state.weights_consistent and state.weight_version == "whole"
+    assert not stats.resumed and state.pause_phase == lpb.PAUSE_PHASE_PAUSED
+    await s.control.ResumeGeneration(cpb.ResumeGenerationRequest())
+    state = await s.lifecycle.GetState(lpb.GetStateRequest())
     assert state.pause_phase == lpb.PAUSE_PHASE_RUNNING
     assert await served(s) == {n: tensor_checksum(t) for n, t in weights.items()}
 

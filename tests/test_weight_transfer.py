@@ -92,11 +92,14 @@ async def test_kept_requests_continue_across_a_sync_with_two_spans(target, stubs
     ]
     firsts = await asyncio.gather(*(c.read() for c in calls))
     # Freeze them now: the trainer process takes seconds to start. Its own KEEP pause is
-    # then a no-op, and its resume lets them continue on the new weights.
+    # then a no-op; it leaves this pause in place, and resuming it lets them continue on
+    # the new weights.
     await control.PauseGeneration(cpb.PauseGenerationRequest(mode=cpb.PAUSE_MODE_KEEP))
     weights = save_weights(perturbed(tiny_model_dir, seed=2), tmp_path / "w.safetensors")
-    rc, _, err = await run_trainer(target, weights, "step-2", "--pause-mode", "keep")
+    rc, stats, err = await run_trainer(target, weights, "step-2", "--pause-mode", "keep")
     assert rc == 0, err
+    assert stats["resumed"] is False
+    await control.ResumeGeneration(cpb.ResumeGenerationRequest())
     for call, first in zip(calls, firsts):
         chunks = [first]
         while (r := await call.read()) != grpc.aio.EOF:

@@ -57,11 +57,14 @@ PAUSE_MODES = {
 
 
 class WeightSyncError(RuntimeError):
-    """A sync failed; `resumed_on_old_weights` says whether generation continues as before."""
+    """A sync failed; `resumed_on_old_weights` says whether generation continues as before
+    (a pause someone else made stays in place); `code` is the gRPC status behind it, if a
+    call's (DEADLINE_EXCEEDED for a server that does not answer, say)."""
 
-    def __init__(self, message: str, *, resumed_on_old_weights: bool) -> None:
+    def __init__(self, message: str, *, resumed_on_old_weights: bool, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
         self.resumed_on_old_weights = resumed_on_old_weights
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -388,7 +391,9 @@ class WeightSync:
             reason = e.details() if isinstance(e, grpc.RpcError) else str(e)
             with contextlib.suppress(grpc.RpcError):
                 self._lifecycle.AbortWeightUpdate(lifecycle_pb2.AbortWeightUpdateRequest(), timeout=self._rpc_timeout_s)
-            raise WeightSyncError(f"adapter push failed, nothing changed: {reason}", resumed_on_old_weights=True) from e
+            raise WeightSyncError(
+                f"adapter push failed, nothing changed: {reason}", resumed_on_old_weights=True, code=status_of(e)
+            ) from e
         return LoraSyncStats(
             lora_name=name,
             version=finish.version,
@@ -418,6 +423,7 @@ class WeightSync:
             raise WeightSyncError(
                 f"the sync could not begin, nothing changed: {e.code().name}: {e.details()}",
                 resumed_on_old_weights=True,
+                code=e.code(),
             ) from e
 
     def _prepare(
@@ -513,10 +519,12 @@ class WeightSync:
             if state.weights_consistent and not state.asleep:
                 if resume:
                     self._client.control.ResumeGeneration(cpb.ResumeGenerationRequest(), timeout=self._rpc_timeout_s)
-                return WeightSyncError(f"weight sync failed, old weights kept: {reason}", resumed_on_old_weights=True)
+                return WeightSyncError(
+                    f"weight sync failed, old weights kept: {reason}", resumed_on_old_weights=True, code=status_of(error)
+                )
         except grpc.RpcError as e:
             reason += f" (recovery failed too: {e.details()})"
-        return WeightSyncError(f"weight sync failed: {reason}", resumed_on_old_weights=False)
+        return WeightSyncError(f"weight sync failed: {reason}", resumed_on_old_weights=False, code=status_of(error))
 
     def _verify(self, mine: Mapping[str, str]) -> str:
         """The server's digests are read back from the model it serves: a tensor that did not
@@ -530,6 +538,11 @@ class WeightSync:
                 f"the server serves different weights for {wrong[:5]} after the sync", resumed_on_old_weights=False
             )
         return served.overall
+
+
+def status_of(error: BaseException) -> grpc.StatusCode | None:
+    """The gRPC status of a failed call; None for any other error."""
+    return error.code() if isinstance(error, grpc.RpcError) else None
 
 
 def step_timeout_s(timeout_s: float, num_bytes: int) -> float:
