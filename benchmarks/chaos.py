@@ -26,21 +26,19 @@ import random
 import signal
 import sys
 import tempfile
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import psutil
+from _common import free_port, make_bench_model, server, tail, until_ready
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
 from rlserve.client import generate_request
-
-from _common import free_port, make_bench_model, server, tail, until_ready
 
 # A request that has not ended by then is lost (the longest ones take a few seconds here).
 CLIENT_DEADLINE_S = 180.0

@@ -520,7 +520,9 @@ class WeightSync:
                 if resume:
                     self._client.control.ResumeGeneration(cpb.ResumeGenerationRequest(), timeout=self._rpc_timeout_s)
                 return WeightSyncError(
-                    f"weight sync failed, old weights kept: {reason}", resumed_on_old_weights=True, code=status_of(error)
+                    f"weight sync failed, old weights kept: {reason}",
+                    resumed_on_old_weights=True,
+                    code=status_of(error),
                 )
         except grpc.RpcError as e:
             reason += f" (recovery failed too: {e.details()})"
