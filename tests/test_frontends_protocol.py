@@ -12,7 +12,7 @@ import pytest
 
 from rlserve import errors
 from rlserve.frontends import protocol as p
-from rlserve.server.errors import status_for
+from rlserve.server.errors import STATUS_BY_KIND, status_for
 from rlserve.types import LoraAdapter
 
 ADAPTER = LoraAdapter(3, "policy", "/adapters/policy", digest="abc", version="step-2")
@@ -63,6 +63,9 @@ async def test_every_message_survives_the_stream():
         errors.WrongState("paused"),
         errors.CapabilityMissing("no LoRA"),
         errors.VersionMismatch("a", "b"),
+        # These two had no row in the frontends' own table and came back UNAVAILABLE.
+        errors.TransferTimeout("the trainer vanished"),
+        errors.NotAllowed("not on this server"),
     ],
 )
 def test_a_refusal_comes_back_with_the_same_status_and_message(error):
@@ -72,8 +75,28 @@ def test_a_refusal_comes_back_with_the_same_status_and_message(error):
 
 
 def test_a_bug_in_admission_is_internal_at_the_client():
-    back = p.error_of(p.Refused(1, p.INTERNAL, "admission failed: KeyError: 3"))
+    back = p.error_of(p.Refused(1, errors.RlserveError.kind, "admission failed: KeyError: 3"))
     assert status_for(back) == grpc.StatusCode.INTERNAL
+
+
+ERROR_CLASSES = sorted(
+    (c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.RlserveError)),
+    key=lambda c: c.__name__,
+)
+
+
+@pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda c: c.__name__)
+def test_every_error_class_has_a_status_and_crosses_between_frontends(cls):
+    """One stable name per family keys both tables: a class added to `errors` gets its
+    family's status on every frontend, never a default."""
+    assert cls.kind in STATUS_BY_KIND, f"{cls.__name__}: no status for kind {cls.kind!r}"
+    back = errors.of_kind(cls.kind, "message")
+    assert back.kind == cls.kind and str(back) == "message"
+    assert status_for(back) == STATUS_BY_KIND[cls.kind]
+
+
+def test_every_status_row_is_a_family():
+    assert set(STATUS_BY_KIND) == set(errors.KINDS) | {errors.RlserveError.kind}
 
 
 async def test_a_cut_stream_ends_the_link():

@@ -195,7 +195,7 @@ class FrontendHub:
         except Exception as e:  # a bug here: the request must still get its answer
             logger.exception("admitting request %r of frontend %d failed", message.request_id, follower.index)
             follower.requests.pop(message.seq, None)
-            follower.send(p.Refused(message.seq, p.INTERNAL, f"admission failed: {type(e).__name__}: {e}"))
+            follower.send(p.Refused(message.seq, RlserveError.kind, f"admission failed: {type(e).__name__}: {e}"))
 
     async def _lost(self, follower: _Follower) -> None:
         """A frontend that went away (it exited, or was killed): what it had in the engine is

@@ -169,32 +169,11 @@ async def read_message(reader: asyncio.StreamReader) -> Message | None:
         return None
 
 
-# Domain errors cross as a kind and their message, and come back as the same kind of error (so
-# the same status code): most specific first.
-_KINDS: tuple[tuple[str, type[errors.RlserveError]], ...] = (
-    ("invalid", errors.InvalidRequest),
-    ("capability", errors.CapabilityMissing),
-    ("not_found", errors.NotFound),
-    ("wrong_state", errors.WrongState),
-    ("conflict", errors.ConcurrentChange),
-    ("overloaded", errors.Overloaded),
-    ("unavailable", errors.EngineUnavailable),
-)
-
-
-# A bug in rlserve (INTERNAL at the client).
-INTERNAL = "internal"
-
-
+# Domain errors cross as their family's stable name (`errors.RlserveError.kind`) and their
+# message, and come back as an error of the same family (so the same status code).
 def refusal(seq: int, error: errors.RlserveError) -> Refused:
-    kind = next((name for name, cls in _KINDS if isinstance(error, cls)), "unavailable")
-    return Refused(seq, kind, str(error))
+    return Refused(seq, error.kind, str(error))
 
 
 def error_of(refused: Refused) -> errors.RlserveError:
-    if refused.kind == INTERNAL:
-        return errors.RlserveError(refused.message)
-    cls = dict(_KINDS).get(refused.kind, errors.EngineUnavailable)
-    if cls is errors.InvalidRequest:
-        return errors.InvalidRequest("", refused.message)  # the message names the field
-    return cls(refused.message)
+    return errors.of_kind(refused.kind, refused.message)

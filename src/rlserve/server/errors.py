@@ -18,25 +18,26 @@ from rlserve import errors
 
 logger = logging.getLogger(__name__)
 
-# Most specific class first: the first isinstance match wins.
-STATUS_BY_ERROR: tuple[tuple[type[errors.RlserveError], grpc.StatusCode], ...] = (
-    (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.CapabilityMissing, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.WrongState, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.ConcurrentChange, grpc.StatusCode.ABORTED),
-    (errors.EngineUnavailable, grpc.StatusCode.UNAVAILABLE),
-    (errors.TransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (errors.Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.NotAllowed, grpc.StatusCode.PERMISSION_DENIED),
-    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
-)
+# One row per error family (`errors.KINDS`; a test checks every family has one).
+STATUS_BY_KIND: dict[str, grpc.StatusCode] = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "capability": grpc.StatusCode.FAILED_PRECONDITION,
+    "wrong_state": grpc.StatusCode.FAILED_PRECONDITION,
+    "conflict": grpc.StatusCode.ABORTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "transfer_timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "not_allowed": grpc.StatusCode.PERMISSION_DENIED,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    # Not a client's mistake: a failed load, or a bug in rlserve.
+    "commit_failed": grpc.StatusCode.INTERNAL,
+    "prepare_failed": grpc.StatusCode.INTERNAL,
+    "internal": grpc.StatusCode.INTERNAL,
+}
 
 
 def status_for(error: errors.RlserveError) -> grpc.StatusCode:
-    for cls, code in STATUS_BY_ERROR:
-        if isinstance(error, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
+    return STATUS_BY_KIND.get(error.kind, grpc.StatusCode.INTERNAL)
 
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, error: Exception) -> None:
