@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from rlserve.launch import free_port  # noqa: F401 - the benchmarks take their ports from here
+from rlserve.sdk.launch import free_port  # noqa: F401 - the benchmarks take their ports from here
 
 # Process titles vLLM gives its engine processes; every other descendant is a helper.
 ENGINE_PROCESS_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
@@ -343,7 +343,7 @@ async def until_ready(ready: Awaitable[None], proc, log_path: Path) -> None:
 
 async def grpc_serving(channel) -> None:
     """Until the server behind `channel` reports SERVING (rlserve or vllm-rs alike)."""
-    from rlserve.client import AsyncClient
+    from rlserve.sdk.client import AsyncClient
 
     await AsyncClient("", channel=channel).wait_ready(timeout_s=READY_TIMEOUT_S)
 

@@ -38,7 +38,7 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
-from rlserve.client import generate_request
+from rlserve.sdk.client import generate_request
 
 # A request that has not ended by then is lost (the longest ones take a few seconds here).
 CLIENT_DEADLINE_S = 180.0
@@ -301,8 +301,8 @@ TRAINER = """
 import sys, torch
 from safetensors.torch import load_file
 from pathlib import Path
-from rlserve.client import Client
-from rlserve.trainer import WeightSync
+from rlserve.sdk.client import Client
+from rlserve.sdk.weight_sync import WeightSync
 target, model, version, seed = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 weights = {}
 for f in sorted(model.glob("*.safetensors")):
@@ -333,7 +333,7 @@ async def main(args: argparse.Namespace) -> int:
     cmd += ["--update-lease-s", "5", "--transfer-timeout-s", "20", "--max-frontend-restarts", "100"]
     log = work_dir / "chaos-server.log"
     async with server(cmd, log) as proc:
-        from rlserve.client import AsyncClient
+        from rlserve.sdk.client import AsyncClient
 
         async def ready() -> None:
             async with AsyncClient(control) as client:

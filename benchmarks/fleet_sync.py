@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, stop_tree  # noqa: E402
 from weight_sync import model_dirs, nbytes, perturbed, serve  # noqa: E402
 
-from rlserve.client import Client  # noqa: E402
-from rlserve.fleet import Fleet  # noqa: E402
-from rlserve.trainer import WeightSync  # noqa: E402
+from rlserve.sdk.client import Client  # noqa: E402
+from rlserve.sdk.fleet import Fleet  # noqa: E402
+from rlserve.sdk.weight_sync import WeightSync  # noqa: E402
 
 TARGETS = {"fleet_2_over_fleet_1": "<= 1.25", "fleet_2_over_sequential_2": "<= 0.65"}
 

@@ -193,7 +193,7 @@ def grpc_workloads(*channels) -> Workloads:
     Requests take the channels (connections) in turn. A response without what was asked for
     (text, a logprob per token) fails the run."""
     from rlserve.api.vllm import inference_pb2_grpc
-    from rlserve.client import generate_request
+    from rlserve.sdk.client import generate_request
 
     stubs = itertools.cycle([inference_pb2_grpc.InferenceStub(channel) for channel in channels])
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import child_env, free_port, stop_tree  # noqa: E402
 
 from rlserve.api.vllm import control_pb2 as cpb  # noqa: E402
-from rlserve.client import Client  # noqa: E402
+from rlserve.sdk.client import Client  # noqa: E402
 
 
 def used_gib() -> float:

@@ -38,10 +38,10 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PeakMemory, child_env, free_port, median, stop_tree, tail  # noqa: E402
 
-from rlserve.client import Client  # noqa: E402
-from rlserve.trainer import WeightSync  # noqa: E402
-from rlserve.transfer.gloo_group import GlooGroup  # noqa: E402
-from rlserve.transfer.protocol import TensorMeta, plan_buckets  # noqa: E402
+from rlserve.sdk.client import Client  # noqa: E402
+from rlserve.sdk.weight_sync import WeightSync  # noqa: E402
+from rlserve.wire.gloo_group import GlooGroup  # noqa: E402
+from rlserve.wire.protocol import TensorMeta, plan_buckets  # noqa: E402
 
 BUCKET_BYTES = 64 * 2**20
 

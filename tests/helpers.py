@@ -27,10 +27,10 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
 from rlserve.api.vllm import inference_pb2 as pb
-from rlserve.client import Client, generate_request
 from rlserve.config import ServeConfig
-from rlserve.transfer.gloo_group import GlooGroup
-from rlserve.transfer.protocol import ChunkInfo, TensorMeta, tensor_checksum
+from rlserve.sdk.client import Client, generate_request
+from rlserve.wire.gloo_group import GlooGroup
+from rlserve.wire.protocol import ChunkInfo, TensorMeta, tensor_checksum
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 TRAINER = Path(__file__).with_name("trainer_process.py")

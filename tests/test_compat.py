@@ -16,8 +16,8 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import aliases_pb2_grpc, control_pb2_grpc
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import inference_pb2 as pb
-from rlserve.client import ChannelCredentials, generate_request, open_aio_channel
 from rlserve.config import SecurityConfig, ServeConfig
+from rlserve.sdk.client import ChannelCredentials, generate_request, open_aio_channel
 from rlserve.server.auth import canonical, rule_for
 
 from helpers import KEEP, expect, pause, serving

@@ -13,7 +13,7 @@ import pytest_asyncio
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.config import ServeConfig
-from rlserve.transfer.protocol import tensor_checksum
+from rlserve.wire.protocol import tensor_checksum
 
 from conftest import eventually
 from helpers import (

@@ -29,10 +29,11 @@ import torch
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.client import generate_request
 from rlserve.config import ServeConfig
-from rlserve.launch import free_port
-from rlserve.trainer import TensorSender, plan_sync
+from rlserve.sdk.client import generate_request
+from rlserve.sdk.launch import free_port
+from rlserve.sdk.plan import plan_sync
+from rlserve.sdk.senders import TensorSender
 
 from helpers import PROMPT, greedy, perturbed, serving
 from tiny_model import make_tiny_lora

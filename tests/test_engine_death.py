@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.client import generate_request
 from rlserve.config import ServeConfig
+from rlserve.sdk.client import generate_request
 
 from helpers import long_request, serving, wait_for_state
 

@@ -31,12 +31,12 @@ from worker_faults import fail_next_load
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import inference_pb2 as pb
-from rlserve.client import Client, generate_request
 from rlserve.config import ServeConfig
-from rlserve.fleet import AsyncFleet, Fleet, FleetError, FleetSyncError
-from rlserve.launch import free_port
-from rlserve.trainer import WeightSync
-from rlserve.transfer.protocol import tensor_checksum
+from rlserve.sdk.client import Client, generate_request
+from rlserve.sdk.fleet import AsyncFleet, Fleet, FleetError, FleetSyncError
+from rlserve.sdk.launch import free_port
+from rlserve.sdk.weight_sync import WeightSync
+from rlserve.wire.protocol import tensor_checksum
 
 from conftest import insecure_serialization
 from helpers import (
@@ -184,7 +184,7 @@ async def test_a_server_that_fails_before_the_vote_leaves_every_server_as_it_was
         with pytest.raises(FleetSyncError) as e:
             await asyncio.to_thread(fleet.sync, perturbed(tiny_model_dir, seed=13), "never")
         assert e.value.committed == () and e.value.resumed_on_old_weights
-        assert "simulated failure" in e.value.outcomes[servers[1].target]
+        assert "simulated failure" in e.value.outcomes[servers[1].target].message
         assert fleet.servers == tuple(s.target for s in servers)
         for s, digests in zip(servers, before, strict=True):
             st = await state(s)
@@ -216,7 +216,7 @@ async def test_a_refusal_before_the_vote_ends_the_others_collective_at_once(serv
             await asyncio.to_thread(fleet.sync, perturbed(tiny_model_dir, seed=15), "never")
         # Without ending b's membership, a would wait in the vote for its transfer timeout.
         assert time.monotonic() - t0 < TIMEOUT_S * 0.8
-        assert e.value.committed == () and "UNIMPLEMENTED" in e.value.outcomes[b.target]
+        assert e.value.committed == () and e.value.outcomes[b.target].code == grpc.StatusCode.UNIMPLEMENTED
     for s in servers:
         st = await state(s)
         assert st.weight_version == "checkpoint" and st.pause_phase == lpb.PAUSE_PHASE_RUNNING
@@ -350,7 +350,8 @@ async def test_a_server_killed_at_its_commit_is_dropped_and_the_others_serve_the
             assert len(results) == 24
             assert all(not isinstance(r, BaseException) or isinstance(r, grpc.RpcError) for r in results)
             assert set(e.value.committed) == {a.target, b.target} and e.value.dropped == (target,)
-            assert e.value.outcomes[target].startswith("commit failed: UNAVAILABLE")
+            outcome = e.value.outcomes[target]
+            assert outcome.code == grpc.StatusCode.UNAVAILABLE and outcome.message.startswith("commit failed")
             assert fleet.servers == (a.target, b.target) and fleet.dropped[0].server == target
             for s in servers:
                 st = await state(s)
@@ -367,15 +368,16 @@ async def test_a_server_killed_at_its_commit_is_dropped_and_the_others_serve_the
 TRAINER_KILLED_AFTER_THE_VOTE = """
 import os, signal, sys
 from safetensors.torch import load_file
-import rlserve.fleet.fleet as fleet
+import rlserve.sdk.protocol as protocol
+from rlserve.fleet import Fleet
 
-count_votes = fleet.check_votes
+count_votes = protocol.check_votes
 def and_die(*args):
     count_votes(*args)
     print("voted", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
-fleet.check_votes = and_die
-fleet.Fleet(sys.argv[2:], timeout_s=float(os.environ["TIMEOUT_S"])).sync(load_file(sys.argv[1]), "never")
+protocol.check_votes = and_die
+Fleet(sys.argv[2:], timeout_s=float(os.environ["TIMEOUT_S"])).sync(load_file(sys.argv[1]), "never")
 """
 
 

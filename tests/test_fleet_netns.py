@@ -21,10 +21,10 @@ import pytest_asyncio
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
-from rlserve.client import ChannelCredentials, Client
-from rlserve.fleet import Fleet, FleetError
-from rlserve.launch import free_port
-from rlserve.transfer.protocol import tensor_checksum
+from rlserve.sdk.client import ChannelCredentials, Client
+from rlserve.sdk.fleet import Fleet, FleetError
+from rlserve.sdk.launch import free_port
+from rlserve.wire.protocol import tensor_checksum
 
 from helpers import perturbed
 

@@ -25,9 +25,9 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
 from rlserve.api.vllm import inference_pb2 as pb
-from rlserve.client import Client
-from rlserve.launch import ServerProcess, free_port
-from rlserve.trainer import WeightSync
+from rlserve.sdk.client import Client
+from rlserve.sdk.launch import ServerProcess, free_port
+from rlserve.sdk.weight_sync import WeightSync
 
 from conftest import eventually
 from helpers import long_request, perturbed, read_rest, scrape, value

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2
 from rlserve.api.vllm import control_pb2, inference_pb2, inference_pb2_grpc
-from rlserve.client import generate_request
 from rlserve.config import ServeConfig
+from rlserve.sdk.client import generate_request
 
 from helpers import serving
 

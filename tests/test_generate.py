@@ -11,7 +11,7 @@ import pytest
 from vllm import SamplingParams
 
 from rlserve.api.vllm import inference_pb2 as pb
-from rlserve.client import generate_request
+from rlserve.sdk.client import generate_request
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 

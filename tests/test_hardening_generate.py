@@ -17,8 +17,8 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import inference_pb2 as pb
 from rlserve.api.vllm import inference_pb2_grpc
-from rlserve.client import generate_request
 from rlserve.config import RequestLimits, ServeConfig
+from rlserve.sdk.client import generate_request
 
 from conftest import eventually
 from helpers import ABORT, KEEP, WAIT, expect, long_request, pause, read_rest, serving, wait_for_state

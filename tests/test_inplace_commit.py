@@ -17,10 +17,10 @@ from worker_faults import fail_next_load
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.client import Client
 from rlserve.config import ServeConfig
-from rlserve.trainer import WeightSync
-from rlserve.transfer.protocol import tensor_checksum
+from rlserve.sdk.client import Client
+from rlserve.sdk.weight_sync import WeightSync
+from rlserve.wire.protocol import tensor_checksum
 
 from conftest import insecure_serialization
 from helpers import (

@@ -14,8 +14,8 @@ import pytest_asyncio
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.client import generate_request
 from rlserve.config import ServeConfig
+from rlserve.sdk.client import generate_request
 
 from helpers import PROMPT, expect, long_request, serving
 from tiny_model import make_tiny_lora
@@ -183,8 +183,8 @@ def adapter_in_memory(path) -> tuple[dict, dict]:
 
 
 def push(target: str, tensors: dict, name: str, config: dict, version: str, new_version: bool = False):
-    from rlserve.client import Client
-    from rlserve.trainer import WeightSync
+    from rlserve.sdk.client import Client
+    from rlserve.sdk.weight_sync import WeightSync
 
     with Client(target) as client:
         sync = WeightSync(client, timeout_s=20)
@@ -195,7 +195,7 @@ def push(target: str, tensors: dict, name: str, config: dict, version: str, new_
 
 
 async def test_an_adapter_pushed_in_memory_serves_what_vllm_serves_from_disk(s, lora_engine, tmp_path):
-    from rlserve.trainer import WeightSyncError
+    from rlserve.sdk.weight_sync import WeightSyncError
 
     first, second = make_tiny_lora(tmp_path / "first", seed=20), make_tiny_lora(tmp_path / "second", seed=21)
     tensors, config = adapter_in_memory(first)
@@ -240,7 +240,7 @@ async def test_an_adapter_pushed_in_memory_serves_what_vllm_serves_from_disk(s, 
 
 
 async def test_a_bad_push_is_refused_before_any_byte_moves(s, tmp_path):
-    from rlserve.trainer import WeightSyncError
+    from rlserve.sdk.weight_sync import WeightSyncError
 
     path = make_tiny_lora(tmp_path / "bad", seed=22)
     tensors, config = adapter_in_memory(path)
@@ -282,7 +282,7 @@ async def test_hostile_pushes_are_refused_clearly_and_change_nothing(s, tmp_path
     (or, for the race, one push lands and the other is refused), and the engine serves on.
     (Tensors in another dtype are converted by the SDK; raw ones are refused, as for base
     weights in test_transfer_faults.)"""
-    from rlserve.trainer import WeightSyncError
+    from rlserve.sdk.weight_sync import WeightSyncError
 
     from helpers import HandTrainer
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlserve.errors import InvalidRequest
-from rlserve.transfer.manifest import ManifestEntry, lora_config_misfit, lora_misfit, read_manifest
+from rlserve.wire.manifest import ManifestEntry, lora_config_misfit, lora_misfit, read_manifest
 
 
 def header_file(path, header: bytes, length: int | None = None) -> None:
@@ -103,7 +103,7 @@ def test_a_deeply_nested_adapter_config_is_refused_before_it_reaches_the_workers
 
 
 def test_the_sdk_refuses_tensors_it_cannot_send():
-    from rlserve.trainer import plan_sync
+    from rlserve.sdk.weight_sync import plan_sync
 
     with pytest.raises(ValueError, match="can be sent"):
         plan_sync({"x": torch.zeros(4, dtype=torch.int64)})

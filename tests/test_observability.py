@@ -10,8 +10,8 @@ import grpc
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.client import generate_request
 from rlserve.config import ServeConfig
+from rlserve.sdk.client import generate_request
 
 from helpers import (
     KEEP,

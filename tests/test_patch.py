@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlserve.transfer import patch
-from rlserve.transfer.protocol import ChunkInfo, ProtocolError, TensorMeta, landing_offsets, plan_buckets
+from rlserve.wire import patch
+from rlserve.wire.protocol import ChunkInfo, ProtocolError, TensorMeta, landing_offsets, plan_buckets
 
 
 def test_a_patch_applies_from_any_place_a_bucket_lands():

@@ -1,4 +1,4 @@
-"""`rlserve.ray.launch_fleet` on a real local Ray instance (started by this module, two CPUs):
+"""`rlserve.sdk.ray.launch_fleet` on a real local Ray instance (started by this module, two CPUs):
 servers as Ray actors, each an `rlserve serve` on the node's address with a token of its
 own; the fleet syncs and routes across them; and nothing outlives the fleet, its close or
 its driver's death (the engine core and workers included)."""
@@ -19,9 +19,9 @@ import ray  # rlserve[ray]: `make install` installs it
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
-from rlserve.client import Client, generate_request
-from rlserve.fleet import FleetError
-from rlserve.transfer.protocol import tensor_checksum
+from rlserve.sdk.client import Client, generate_request
+from rlserve.sdk.fleet import FleetError
+from rlserve.wire.protocol import tensor_checksum
 
 from helpers import perturbed
 
@@ -50,7 +50,7 @@ def wait_gone(processes: list[psutil.Process], timeout_s: float) -> list[str]:
 
 
 def test_launch_fleet_starts_servers_as_actors_syncs_them_and_stops_them(ray_cluster, tiny_model_dir):
-    from rlserve.ray import launch_fleet
+    from rlserve.sdk.ray import launch_fleet
 
     fleet = launch_fleet(2, tiny_model_dir, serve_args=SERVE_ARGS, ready_timeout_s=300, timeout_s=60)
     with fleet:
@@ -91,7 +91,7 @@ def test_launch_fleet_starts_servers_as_actors_syncs_them_and_stops_them(ray_clu
 
 
 def test_a_server_that_cannot_start_is_named_and_nothing_is_left(ray_cluster, tiny_model_dir):
-    from rlserve.ray import launch_fleet
+    from rlserve.sdk.ray import launch_fleet
 
     with pytest.raises(FleetError, match=r"(?s)server \d of 2 did not start: .*exited with 2.*--no-such-flag"):
         launch_fleet(2, tiny_model_dir, serve_args=("--no-such-flag",), ready_timeout_s=60)

@@ -22,7 +22,7 @@ from rlserve.rl.grpo import completion_logprobs, group_advantages, grpo_loss
 from rlserve.rl.loop import GrpoConfig, GrpoLoop, Policy
 from rlserve.rl.rollout import Rollout, SamplingConfig, versions_from_spans
 from rlserve.rl.tasks import Arithmetic, Problem
-from rlserve.trainer import SyncStats, WeightSync
+from rlserve.sdk.weight_sync import SyncStats, WeightSync
 from rlserve.types import WeightVersionSpan
 
 from helpers import checkpoint, serving
@@ -59,7 +59,7 @@ async def rl_server(wt_engine, engine_config, tiny_model_dir):
 
 
 def restore_checkpoint(target: str, model_dir) -> None:
-    from rlserve.client import Client
+    from rlserve.sdk.client import Client
 
     with Client(target) as client:
         sync = WeightSync(client)
@@ -114,7 +114,7 @@ async def test_agreement_holds_and_a_sync_that_moves_no_weights_is_caught(rl_ser
 
     def label_only(model: torch.nn.Module, version: str) -> SyncStats:
         """A broken sync: publishes the version, never sends the weights."""
-        from rlserve.client import Client
+        from rlserve.sdk.client import Client
 
         with Client(rl_server.target) as client:
             client.control.UpdateWeightVersion(cpb.UpdateWeightVersionRequest(weight_version=version))
@@ -157,8 +157,8 @@ async def test_a_sequence_sampled_across_a_sync_agrees_token_by_token_under_each
     code judged them. The code was right: the commit drops the KV of kept requests and the
     engine recomputes it under the new weights, so every token re-scores exactly under its
     own version, and under the old weights the later ones would not."""
-    from rlserve.client import AsyncClient
     from rlserve.rl.rollout import sample_group
+    from rlserve.sdk.client import AsyncClient
 
     policy = tiny_policy(tiny_model_dir, keep_versions=1)
     loop = GrpoLoop(policy, VariedTask(), rl_server.target, SMALL)
@@ -222,7 +222,7 @@ async def test_the_demo_against_a_server_without_a_transfer_backend_says_so(serv
 
 async def test_the_demo_against_no_server_says_what_it_waits_for_and_ends_within_its_minutes(tiny_model_dir, tmp_path):
     """It waited silently for 5 minutes whatever --minutes said."""
-    from rlserve.launch import free_port
+    from rlserve.sdk.launch import free_port
 
     started = asyncio.get_running_loop().time()
     rc, output = await demo("--server", f"127.0.0.1:{free_port()}", "--model", str(tiny_model_dir), "--minutes", "0.25",

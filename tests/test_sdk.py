@@ -11,8 +11,8 @@ import grpc
 import pytest
 import torch
 
-from rlserve.client import Client
-from rlserve.trainer import WeightSync, WeightSyncError
+from rlserve.sdk.client import Client
+from rlserve.sdk.weight_sync import WeightSync, WeightSyncError
 
 
 @pytest.fixture

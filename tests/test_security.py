@@ -25,8 +25,8 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import control_pb2_grpc, inference_pb2, inference_pb2_grpc
-from rlserve.client import AsyncClient, ChannelCredentials, generate_request, open_aio_channel
 from rlserve.config import SecurityConfig, ServeConfig
+from rlserve.sdk.client import AsyncClient, ChannelCredentials, generate_request, open_aio_channel
 from rlserve.server.auth import RULES, rule_for
 
 from helpers import expect
@@ -318,7 +318,7 @@ async def test_the_sdk_speaks_tokens_and_tls(engine, engine_config, pki, tokens_
         async with AsyncClient(f"127.0.0.1:{server.port}", credentials=credentials) as client:
             await client.wait_ready(timeout_s=10)
             assert (await client.generate("hi", max_new_tokens=2)).outputs.num_tokens == 2
-        from rlserve.client import Client
+        from rlserve.sdk.client import Client
 
         def blocking() -> int:
             with Client(f"127.0.0.1:{server.port}", credentials=credentials) as client:

@@ -11,8 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import inference_pb2 as pb
-from rlserve.client import generate_request
 from rlserve.config import ServeConfig
+from rlserve.sdk.client import generate_request
 from rlserve.server.app import RlserveServer
 
 from conftest import eventually

@@ -19,11 +19,13 @@ import torch
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.client import Client
 from rlserve.config import ServeConfig
-from rlserve.trainer import ShmSender, WeightSync, plan_sync
-from rlserve.transfer.protocol import tensor_checksum
-from rlserve.transfer.shm import SHM_DIR
+from rlserve.sdk.client import Client
+from rlserve.sdk.plan import plan_sync
+from rlserve.sdk.senders import ShmSender
+from rlserve.sdk.weight_sync import WeightSync
+from rlserve.wire.protocol import tensor_checksum
+from rlserve.wire.shm import SHM_DIR
 
 from helpers import (
     changed_a_little,
@@ -363,3 +365,36 @@ async def test_a_masked_patch_sends_only_the_masked_elements(shm, tiny_model_dir
     assert masked.num_tensors == 3 and masked.num_bytes < 3 * 5 * 8 + 1 < whole.num_bytes
     digests = (await shm.lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())).per_tensor
     assert {n: digests[n] for n in second} == {n: tensor_checksum(t) for n, t in second.items()}
+
+
+async def test_a_fleet_on_the_trainers_host_syncs_over_shared_memory(shm, engine_config, tiny_model_dir):
+    """The fleet drives rlserve_shm as it drives rlserve_gloo (one segment per server, each
+    server removes the name of its own): both servers serve what was sent, under one
+    version, resumed, and nothing is left in /dev/shm."""
+    from rlserve.engine.adapter import EngineAdapter
+    from rlserve.fleet import Fleet
+
+    other_config = replace(engine_config, weight_transfer_backend="rlserve_shm")
+    other_engine = await asyncio.to_thread(EngineAdapter.start, other_config)
+    try:
+        config = ServeConfig(engine=other_config, transfer_timeout_s=10.0)
+        async with serving(other_engine, config) as other:
+            weights = perturbed(tiny_model_dir, seed=35)
+            before = segments()
+
+            def sync_the_fleet():
+                with Fleet([shm.target, other.target], timeout_s=10.0) as fleet:
+                    return fleet.sync(weights, "fleet-shm"), segments()
+
+            stats, during = await asyncio.to_thread(sync_the_fleet)
+            assert stats.servers == (shm.target, other.target) and during == before == segments()
+            sent = {n: tensor_checksum(t) for n, t in weights.items()}
+            for s in (shm, other):
+                state = await s.lifecycle.GetState(lpb.GetStateRequest())
+                assert state.weight_version == "fleet-shm" and state.weights_consistent
+                assert state.pause_phase == lpb.PAUSE_PHASE_RUNNING
+                served = await s.lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())
+                assert dict(served.per_tensor) == sent
+    finally:
+        await other_engine.close()
+        other_engine.shutdown()

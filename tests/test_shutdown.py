@@ -23,8 +23,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import control_pb2_grpc, inference_pb2_grpc
 from rlserve.api.vllm import inference_pb2 as pb
-from rlserve.client import generate_request
-from rlserve.launch import free_port
+from rlserve.sdk.client import generate_request
+from rlserve.sdk.launch import free_port
 
 from helpers import KEEP, long_request, pause, read_rest
 
@@ -131,7 +131,7 @@ async def test_a_server_killed_outright_leaves_no_engine_behind(tiny_model_dir):
 LAUNCHER = """
 import sys, time
 from pathlib import Path
-from rlserve.launch import ServerProcess
+from rlserve.sdk.launch import ServerProcess
 server = ServerProcess(sys.argv[2:], log_path=Path(sys.argv[1]))
 print(server.pid, flush=True)
 server.wait_serving(180)
@@ -141,7 +141,7 @@ time.sleep(3600)
 
 
 async def test_a_launched_server_shuts_down_when_its_launcher_dies(tiny_model_dir, tmp_path):
-    """`rlserve.launch.ServerProcess` (what the demo and each Ray actor run) starts the server
+    """`rlserve.sdk.launch.ServerProcess` (what the demo and each Ray actor run) starts the server
     with --exit-with-parent: when the launcher is SIGKILLed, the server shuts down gracefully
     on its own and its engine with it."""
     log = tmp_path / "server.log"

@@ -15,10 +15,10 @@ import torch
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.client import Client, generate_request
 from rlserve.config import ServeConfig
-from rlserve.launch import free_port
-from rlserve.trainer import WeightSync, WeightSyncError
+from rlserve.sdk.client import Client, generate_request
+from rlserve.sdk.launch import free_port
+from rlserve.sdk.weight_sync import WeightSync, WeightSyncError
 
 from helpers import (
     KEEP,

@@ -22,7 +22,7 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import inference_pb2 as pb
 from rlserve.config import ServeConfig
-from rlserve.launch import free_port
+from rlserve.sdk.launch import free_port
 
 from helpers import KEEP, models_listed, pause, serving
 

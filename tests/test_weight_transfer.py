@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.client import generate_request
 from rlserve.config import ServeConfig
-from rlserve.launch import free_port
-from rlserve.transfer.protocol import combined_checksum, tensor_checksum
+from rlserve.sdk.client import generate_request
+from rlserve.sdk.launch import free_port
+from rlserve.wire.protocol import combined_checksum, tensor_checksum
 
 from helpers import (
     PROMPT,

@@ -15,9 +15,9 @@ import os
 
 from safetensors.torch import load_file
 
-from rlserve.client import Client
-from rlserve.trainer import WeightSync
-from rlserve.transfer.gloo_group import GlooGroup
+from rlserve.sdk.client import Client
+from rlserve.sdk.weight_sync import WeightSync
+from rlserve.wire.gloo_group import GlooGroup
 
 
 def main() -> None:
@@ -53,7 +53,7 @@ def main() -> None:
 
 
 def _die_after_shm_writes(num_writes: int) -> None:
-    from rlserve.trainer import ShmSender
+    from rlserve.sdk.senders import ShmSender
 
     write = ShmSender.write
     written = 0

@@ -10,11 +10,11 @@ __all__ = ["AsyncClient", "AsyncFleet", "Client", "Fleet", "__version__"]
 
 def __getattr__(name: str):
     if name in ("Client", "AsyncClient"):
-        from rlserve import client
+        from rlserve.sdk import client
 
         return getattr(client, name)
     if name in ("Fleet", "AsyncFleet"):
-        from rlserve import fleet
+        from rlserve.sdk import fleet
 
         return getattr(fleet, name)
     raise AttributeError(name)

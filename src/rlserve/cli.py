@@ -9,9 +9,16 @@ import os
 import sys
 from pathlib import Path
 
-from rlserve.config import DTYPES, WEIGHT_UPDATE_MODES, EngineConfig, SecurityConfig, ServeConfig, default_cache_dir
+from rlserve.config import (
+    AUTH_TOKENS_ENV,
+    DTYPES,
+    WEIGHT_UPDATE_MODES,
+    EngineConfig,
+    SecurityConfig,
+    ServeConfig,
+    default_cache_dir,
+)
 
-AUTH_TOKENS_ENV = "RLSERVE_AUTH_TOKENS"
 SECURITY_HELP = """Security: the control plane can pause the server and replace its weights. It may
 only listen beyond loopback with authentication: bearer tokens from --auth-tokens-file FILE
 (or the same text in the environment variable RLSERVE_AUTH_TOKENS), one `ROLE TOKEN [NAME]`

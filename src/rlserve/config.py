@@ -13,6 +13,8 @@ from pathlib import Path
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # How rlserve's backends commit: beside the served model (shadows) or layer by layer into it.
 WEIGHT_UPDATE_MODES = ("shadow", "in-place")
+# `rlserve serve` reads its bearer tokens from here (a secret: never on a command line).
+AUTH_TOKENS_ENV = "RLSERVE_AUTH_TOKENS"
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,14 @@ class RequestLimits:
 
 
 DEFAULT_TRANSFER_TIMEOUT_S = 60.0
+# A chunk's deadline grows with its size: the transfer timeout per started 256 MiB.
+BYTES_PER_TIMEOUT = 256 * 2**20
+
+
+def chunk_deadline_s(timeout_s: float, num_bytes: int) -> float:
+    """How long a step that moves `num_bytes` may take (the trainer, the server and its
+    workers agree on it): `timeout_s` per started 256 MiB."""
+    return timeout_s * (1 + num_bytes // BYTES_PER_TIMEOUT)
 
 
 @dataclass(frozen=True)

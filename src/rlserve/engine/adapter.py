@@ -35,7 +35,6 @@ from rlserve.engine.sampling import ModelLimits, build_prompt_token_ids, build_s
 from rlserve.engine.shared import FrontendClient, configure
 from rlserve.engine.transport import WeightTransport, make_transport
 from rlserve.errors import CapabilityMissing, EngineUnavailable, InvalidRequest, UnknownModel
-from rlserve.transfer.manifest import ManifestEntry, lora_config_misfit, lora_misfit, read_manifest
 from rlserve.types import (
     EngineLoad,
     EngineStatus,
@@ -49,11 +48,12 @@ from rlserve.types import (
     RlCapabilities,
     ServerInfo,
 )
+from rlserve.wire.manifest import ManifestEntry, lora_config_misfit, lora_misfit, read_manifest
 
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_GIB = 1.0
-WORKER_EXTENSION = "rlserve.transfer.worker_extension.RlserveWorkerExtension"
+WORKER_EXTENSION = "rlserve.worker.extension.RlserveWorkerExtension"
 # Held requests are accounted by an estimate of what they keep alive: a Python int per
 # prompt token plus the prompt text.
 BYTES_PER_HELD_TOKEN = 40

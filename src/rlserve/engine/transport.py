@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlserve.engine.liveness import EngineMonitor
+from rlserve.engine.notices import NotificationHub, WorkerGone
 from rlserve.errors import (
     CapabilityMissing,
     CommitFailed,
@@ -29,8 +30,8 @@ from rlserve.errors import (
     TransferTimeout,
     TransportNotReady,
 )
-from rlserve.transfer.notify import NotificationHub, WorkerGone
-from rlserve.transfer.protocol import (
+from rlserve.types import ServedChecksums
+from rlserve.wire.protocol import (
     BACKEND_NAME,
     CHECKSUM_ALGORITHM,
     SHM_BACKEND_NAME,
@@ -41,9 +42,8 @@ from rlserve.transfer.protocol import (
     Reply,
     combined_checksum,
 )
-from rlserve.transfer.shm import ShmInit, open_segment, unlink_if_same
-from rlserve.transfer.worker_extension import RlserveWorkerExtension as Ext
-from rlserve.types import ServedChecksums
+from rlserve.wire.shm import ShmInit, open_segment, unlink_if_same
+from rlserve.worker.extension import RlserveWorkerExtension as Ext
 
 # Room for the worker's own deadline to fire first and report what went wrong.
 DEADLINE_MARGIN_S = 5.0

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlserve.caller import CURRENT
+from rlserve.config import chunk_deadline_s
 from rlserve.errors import CapabilityMissing, CommitFailed, PrepareFailed, StaleBase, TransferTimeout, WrongState
 from rlserve.lifecycle.loras import LoraRegistry, adapter_digest
 from rlserve.lifecycle.mutation import survives_caller_cancellation
@@ -38,9 +39,6 @@ if TYPE_CHECKING:
     from rlserve.engine.adapter import EngineAdapter
     from rlserve.engine.transport import WeightTransport
     from rlserve.types import ServedChecksums
-
-# A chunk's deadline grows with its size: the transfer timeout per started 256 MiB.
-BYTES_PER_TIMEOUT = 256 * 2**20
 
 
 class WeightUpdates:
@@ -145,7 +143,7 @@ class WeightUpdates:
                             f"the patch builds on weight version {chunk.base_weight_version[:64]!r}, this server "
                             f"serves {served[:64]!r}: send the whole tensors, or a patch on {served[:64]!r}"
                         )
-                    timeout_s = self._timeout_s * (1 + chunk.num_bytes // BYTES_PER_TIMEOUT)
+                    timeout_s = chunk_deadline_s(self._timeout_s, chunk.num_bytes)
                     await transport.update(chunk, timeout_s)
                 except BaseException as e:
                     await self._drop_session("an update chunk failed")

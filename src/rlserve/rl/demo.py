@@ -65,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"rlserve demo: {problem}", file=sys.stderr)
         return 2
-    from rlserve.client import ChannelCredentials
     from rlserve.model_cache import default_model_dir
+    from rlserve.sdk.client import ChannelCredentials
 
     model_dir = Path(args.model) if args.model else default_model_dir(args.cache_dir)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _ray_fleet(args: argparse.Namespace, model_dir: Path):
-    from rlserve.ray import launch_fleet
+    from rlserve.sdk.ray import launch_fleet
 
     print(f"starting {args.num_servers} rlserve servers on Ray (logs: {args.out / 'servers'}) ...", flush=True)
     return launch_fleet(
@@ -107,7 +107,7 @@ def _train(args: argparse.Namespace, model_dir: Path, targets, credentials) -> i
     from rlserve.rl.report import Progress, StepLog, cpu_description, plot
     from rlserve.rl.rollout import SamplingConfig
     from rlserve.rl.tasks import Arithmetic
-    from rlserve.trainer import WeightSyncError
+    from rlserve.sdk.weight_sync import WeightSyncError
 
     torch.manual_seed(args.seed)
     staleness = args.max_staleness if args.max_staleness is not None else int(args.asynchronous)
@@ -219,7 +219,7 @@ def _summary(records) -> str:
 @contextlib.contextmanager
 def started_server(model_dir: Path, dtype: str, backend: str, log_path: Path):
     """`rlserve serve` with weight-transfer `backend` on a free loopback port; stopped on exit."""
-    from rlserve.launch import ServerProcess
+    from rlserve.sdk.launch import ServerProcess
 
     server = ServerProcess(
         ["--model", str(model_dir), "--dtype", dtype, "--weight-transfer-backend", backend, "--max-model-len", "1024"],

@@ -28,12 +28,12 @@ from typing import Any
 import grpc
 import torch
 
-from rlserve.client import AsyncClient, ChannelCredentials, Client
-from rlserve.fleet import AsyncFleet, Fleet, FleetSyncStats
 from rlserve.rl.grpo import UNKNOWN, completion_logprobs, group_advantages, grpo_loss, staleness
 from rlserve.rl.rollout import Rollout, SamplingConfig, sample_batch
 from rlserve.rl.tasks import Problem, Task
-from rlserve.trainer import SyncStats, WeightSync
+from rlserve.sdk.client import AsyncClient, ChannelCredentials, Client
+from rlserve.sdk.fleet import AsyncFleet, Fleet, FleetSyncStats
+from rlserve.sdk.weight_sync import SyncStats, WeightSync
 from rlserve.types import PauseMode
 
 # How long a run waits at most for its servers to serve (less when the run is shorter).

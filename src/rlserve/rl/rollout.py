@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rlserve.api.vllm import inference_pb2 as pb
-from rlserve.client import AsyncClient, generate_request
 from rlserve.rl.tasks import Problem
+from rlserve.sdk.client import AsyncClient, generate_request
 
 
 @dataclass

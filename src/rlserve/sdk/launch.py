@@ -1,6 +1,6 @@
 """`rlserve serve` as a child process: started with its flags (secrets in its environment,
 never on the command line), waited for until it serves, and stopped with its engine. What
-`rlserve demo` starts when no server is named, and what each actor of `rlserve.ray` runs."""
+`rlserve demo` starts when no server is named, and what each actor of `rlserve.sdk.ray` runs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from rlserve.client import ChannelCredentials, Client
+from rlserve.sdk.client import ChannelCredentials, Client
 
 
 class ServerExited(RuntimeError):

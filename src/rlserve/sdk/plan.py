@@ -1,6 +1,6 @@
 """What a trainer sends for one update: its tensors in the served dtype, the patches of those
 that changed, and the chunks they travel in with their digests. Pure planning (torch and
-the wire protocol); `rlserve.trainer` sends it.
+the wire protocol); `rlserve.sdk.weight_sync` sends it.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
-from rlserve.transfer import patch
-from rlserve.transfer.protocol import DEFAULT_BUCKET_BYTES, DTYPE_BYTES, ChunkInfo, TensorMeta, tensor_checksum
+from rlserve.wire import patch
+from rlserve.wire.protocol import DEFAULT_BUCKET_BYTES, DTYPE_BYTES, ChunkInfo, TensorMeta, tensor_checksum
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024 * 1024
 

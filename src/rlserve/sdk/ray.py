@@ -9,8 +9,8 @@ itself down when the actor goes, however the actor goes (`--exit-with-parent`); 
 job's actors when its driver exits. `RayFleet.close()` stops every server at once and is
 also run at interpreter exit.
 
-    import rlserve.ray
-    with rlserve.ray.launch_fleet(2, "/models/policy", num_gpus=1) as fleet:
+    import rlserve.sdk.ray
+    with rlserve.sdk.ray.launch_fleet(2, "/models/policy", num_gpus=1) as fleet:
         fleet.sync(model, "1")
         fleet.generate_many(prompts)
 """
@@ -27,17 +27,17 @@ from typing import Any
 
 import ray
 
-from rlserve.cli import AUTH_TOKENS_ENV
-from rlserve.client import ChannelCredentials
-from rlserve.fleet import Fleet, FleetError
-from rlserve.launch import ServerProcess
-from rlserve.transfer.protocol import BACKEND_NAME
+from rlserve.config import AUTH_TOKENS_ENV
+from rlserve.sdk.client import ChannelCredentials
+from rlserve.sdk.fleet import Fleet, FleetError
+from rlserve.sdk.launch import ServerProcess
+from rlserve.wire.protocol import BACKEND_NAME
 
 # Beyond a server's own start-up deadline: the time Ray may take to place its actor.
 PLACE_SLACK_S = 10.0
 
 
-class RlserveServer:
+class ServerActor:
     """A Ray actor that owns one `rlserve serve` on its node (see the module doc)."""
 
     def __init__(self, args: Sequence[str], tokens: str, log_path: str) -> None:
@@ -118,7 +118,7 @@ def launch_fleet(
     logs = Path(log_dir) if log_dir is not None else Path(tempfile.gettempdir()) / "rlserve-ray" / uuid.uuid4().hex[:8]
     options = {"num_cpus": num_cpus, "num_gpus": num_gpus, "resources": dict(resources or {}), **(actor_options or {})}
     # Two calls at once: stop() answers while wait_serving() still waits (an interrupted launch).
-    actor_class = ray.remote(RlserveServer).options(max_concurrency=2, **options)
+    actor_class = ray.remote(ServerActor).options(max_concurrency=2, **options)
     actors = [
         actor_class.remote(args, f"admin {token} trainer\n", str(logs / f"server-{i}.log")) for i in range(num_servers)
     ]

@@ -21,7 +21,7 @@ from rlserve.api.vllm import (
     inference_pb2,
     inference_pb2_grpc,
 )
-from rlserve.config import SecurityConfig, ServeConfig
+from rlserve.config import AUTH_TOKENS_ENV, SecurityConfig, ServeConfig
 from rlserve.server import reflection
 from rlserve.server.access import AccessInterceptor
 from rlserve.server.auth import CredentialSource, Listener
@@ -68,7 +68,7 @@ def credential_source(security: SecurityConfig) -> CredentialSource | None:
         return CredentialSource(lambda: Path(path).read_text(), str(path))
     if security.auth_tokens_text is not None:
         text = security.auth_tokens_text
-        return CredentialSource(lambda: text, "RLSERVE_AUTH_TOKENS")
+        return CredentialSource(lambda: text, AUTH_TOKENS_ENV)
     return None
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from rlserve.transfer.protocol import MAX_PATCHED_ELEMENTS
-from rlserve.transfer.protocol import PATCH_INDEX_BYTES as INDEX_BYTES
+from rlserve.wire.protocol import MAX_PATCHED_ELEMENTS
+from rlserve.wire.protocol import PATCH_INDEX_BYTES as INDEX_BYTES
 
 
 def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,6 @@ nothing refers to the segment's bytes any more: the next chunk may reuse them.
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
 import stat
@@ -30,20 +29,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from rlserve.transfer.protocol import (
+from rlserve.wire.protocol import (
     SHM_DIR,
     ChunkInfo,
-    Deliver,
-    ErrorCode,
     ProtocolError,
-    WorkerError,
     parse_timeout,
     plan_buckets,
     require_known_keys,
-    tensor_checksum,
-    wire_view,
 )
 
 # A name, never a path: the server opens segments of this shape and nothing else.
@@ -69,33 +61,6 @@ class ShmInit:
 
     def to_json(self) -> dict[str, Any]:
         return {"segment": self.segment, "size": self.size, "timeout_s": self.timeout_s}
-
-
-class Segment:
-    """The trainer's named shared-memory segment, mapped read-write, as one uint8 tensor."""
-
-    def __init__(self, name: str, size: int, mapping: mmap.mmap) -> None:
-        self.name, self.size = name, size
-        self._mapping = mapping
-        self.bytes = torch.frombuffer(mapping, dtype=torch.uint8, count=size)
-
-    @classmethod
-    def create(cls, name: str, size: int) -> Segment:
-        """A new segment only this user can open; raises FileExistsError for a taken name."""
-        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            # Reserved now, so a full /dev/shm is an OSError here, not a SIGBUS on first write.
-            os.posix_fallocate(fd, 0, size)
-            return cls(name, size, mmap.mmap(fd, size))
-        except BaseException:
-            unlink(name)
-            raise
-        finally:
-            os.close(fd)
-
-    def close(self) -> None:
-        del self.bytes  # the tensor holds the buffer: drop it before unmapping
-        self._mapping.close()
 
 
 def open_segment(name: str, size: int) -> tuple[int, os.stat_result]:
@@ -129,36 +94,6 @@ def unlink_if_same(name: str, opened: os.stat_result) -> None:
         pass
 
 
-class SegmentFile:
-    """A worker's read-only handle on the trainer's segment: read with pread, never mapped."""
-
-    def __init__(self, name: str, size: int) -> None:
-        try:
-            self._fd, _ = open_segment(name, size)
-        except ProtocolError as e:
-            raise WorkerError(ErrorCode.INVALID_INFO, str(e)) from e
-        self.name, self.size = name, size
-
-    def read_into(self, target: torch.Tensor, offset: int) -> None:
-        """Fill `target` (contiguous uint8) with the segment's bytes from `offset`. Raises
-        WorkerError when the segment ends first (the trainer shrank it)."""
-        view = memoryview(target.numpy()).cast("B")
-        done = 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], offset + done)
-            if n == 0:
-                size = os.fstat(self._fd).st_size
-                raise WorkerError(
-                    ErrorCode.INVALID_INFO,
-                    f"segment {self.name!r} shrank to {size} bytes while a chunk was read from it "
-                    f"(it needs {offset + len(view)})",
-                )
-            done += n
-
-    def close(self) -> None:
-        os.close(self._fd)
-
-
 def unlink(name: str) -> None:
     """Remove a segment's name (the memory stays while mapped); a missing name is fine."""
     try:
@@ -189,65 +124,3 @@ def layout(chunk: ChunkInfo, segment_size: int) -> tuple[int, list[tuple[int, in
             f"the {segment_size}-byte segment"
         )
     return bucket.num_bytes, [(i, chunk.segment_offset + offset) for i, offset in bucket.placements]
-
-
-class ShmLink:
-    """A worker's side of rlserve_shm: the trainer's segment, opened read-only, and a landing
-    buffer of the same size this worker owns (allocated and touched once, so later syncs
-    copy into memory that is already mapped). A chunk is copied from the segment into the
-    same place in the landing buffer, digested and delivered about a bucket at a time: what
-    is digested and loaded is the worker's copy, whatever the trainer writes meanwhile. Same
-    calls as `GlooLink`."""
-
-    def __init__(self, segment: SegmentFile) -> None:
-        self._segment = segment
-        self._landing = torch.zeros(segment.size, dtype=torch.uint8)
-
-    @classmethod
-    def open(cls, info: ShmInit) -> ShmLink:
-        return cls(SegmentFile(info.segment, info.size))
-
-    def misfit(self, info: ChunkInfo) -> str | None:
-        try:
-            layout(info, self._segment.size)
-        except ProtocolError as e:
-            return str(e)
-        return None
-
-    def exchange(
-        self,
-        info: ChunkInfo,
-        accept: bool,
-        timeout_s: float,
-        deliver: Deliver,
-    ) -> bool:
-        """Copy the chunk out of the segment and deliver it. No vote is needed: the trainer is
-        not blocked in a collective, it waits for the RPC's answer."""
-        if not accept:
-            return False
-        _, placements = layout(info, self._segment.size)
-        for group in _groups(info, placements):
-            first, last = group[0][1], group[-1][1] + info.tensors[group[-1][0]].num_bytes
-            self._segment.read_into(self._landing[first:last], first)
-            received: dict[str, torch.Tensor] = {}
-            for index, offset in group:
-                meta = info.tensors[index]
-                received[meta.name] = wire_view(self._landing[offset : offset + meta.num_bytes], meta)
-            deliver(received, {name: tensor_checksum(t) for name, t in received.items()})
-        return True
-
-    def close(self) -> None:
-        self._segment.close()
-
-
-def _groups(info: ChunkInfo, placements: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """Consecutive tensors of a chunk in groups of about `bucket_bytes`: delivered one by one."""
-    groups: list[list[tuple[int, int]]] = []
-    size = 0
-    for index, offset in placements:
-        if not groups or size >= info.bucket_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append((index, offset))
-        size += info.tensors[index].num_bytes
-    return groups

@@ -14,12 +14,13 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from rlserve.config import DEFAULT_TRANSFER_TIMEOUT_S
-from rlserve.transfer.manifest import read_manifest
-from rlserve.transfer.protocol import ChunkInfo, InitInfo, ProtocolError
-from rlserve.transfer.receiver import Receiver
-from rlserve.transfer.served import ServedWeights
-from rlserve.transfer.shadow import ShadowUpdate
-from rlserve.transfer.shm import ShmInit, ShmLink
+from rlserve.wire.manifest import read_manifest
+from rlserve.wire.protocol import ChunkInfo, InitInfo, ProtocolError
+from rlserve.wire.shm import ShmInit
+from rlserve.worker.receiver import Receiver
+from rlserve.worker.served import ServedWeights
+from rlserve.worker.shadow import ShadowUpdate
+from rlserve.worker.shm_link import ShmLink
 
 
 class _RlserveEngine(WeightTransferEngine):  # type: ignore[type-var]

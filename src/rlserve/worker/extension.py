@@ -14,11 +14,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from rlserve.transfer.manifest import read_manifest
-from rlserve.transfer.notify import Notifier
-from rlserve.transfer.protocol import ChunkInfo, ErrorCode, ProtocolError, Reply, WorkerError
-from rlserve.transfer.served import ServedWeights
-from rlserve.transfer.shadow import ShadowUpdate
+from rlserve.wire.manifest import read_manifest
+from rlserve.wire.protocol import ChunkInfo, ErrorCode, ProtocolError, Reply, WorkerError
+from rlserve.worker.notifier import Notifier
+from rlserve.worker.served import ServedWeights
+from rlserve.worker.shadow import ShadowUpdate
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The process that holds one worker's gloo membership (see `gloo_link`): `python -m
-rlserve.transfer.gloo_helper FD`, where FD is its end of a socket pair with the worker. It
+rlserve.worker.gloo_helper FD`, where FD is its end of a socket pair with the worker. It
 answers each request with JSON lines: join the trainer's group; vote and receive a chunk into
 the worker's landing area (mapped once, when the worker names a new one), one line per bucket
 with its digests as soon as it has landed, then a last line; close.
@@ -22,8 +22,8 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from rlserve.transfer.gloo_group import GlooGroup  # noqa: E402
-from rlserve.transfer.protocol import (  # noqa: E402
+from rlserve.wire.gloo_group import GlooGroup  # noqa: E402
+from rlserve.wire.protocol import (  # noqa: E402
     ChunkInfo,
     ErrorCode,
     InitInfo,

@@ -2,7 +2,7 @@
 
 gloo aborts its whole process when a peer sends a message of the wrong size (a trainer with a
 bug in its bucket plan, or a hostile one): that process must not be the vLLM worker. So each
-worker starts a small helper (`python -m rlserve.transfer.gloo_helper`) that joins the
+worker starts a small helper (`python -m rlserve.worker.gloo_helper`) that joins the
 trainer's group, votes and receives each chunk straight into shared memory the worker maps
 (no copy; one landing area, kept and reused while chunks fit it), digests each bucket as it
 lands (on another core than the worker's) and reports it at once, so the worker loads bucket
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rlserve.transfer.protocol import (
+from rlserve.wire.protocol import (
     SHM_DIR,
     ChunkInfo,
     Deliver,
@@ -56,7 +56,7 @@ class GlooLink:
         """Start a helper and join the trainer's group through it; raises WorkerError."""
         ours, theirs = socket.socketpair()
         process = subprocess.Popen(
-            [sys.executable, "-m", "rlserve.transfer.gloo_helper", str(theirs.fileno())],
+            [sys.executable, "-m", "rlserve.worker.gloo_helper", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
             # Its own process group, so a signal meant for the server is not the helper's to act

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-from rlserve.transfer.protocol import BACKEND_NAME, SHM_BACKEND_NAME
+from rlserve.wire.protocol import BACKEND_NAME, SHM_BACKEND_NAME
 
 ENGINES = {BACKEND_NAME: "GlooWeightTransferEngine", SHM_BACKEND_NAME: "ShmWeightTransferEngine"}
 
@@ -17,4 +17,4 @@ def register() -> None:
         # vLLM calls general plugins more than once per process; a second registration raises
         # ValueError ("already registered"), which is the state we want.
         with contextlib.suppress(ValueError):
-            WeightTransferEngineFactory.register_engine(name, "rlserve.transfer.engines", cls)
+            WeightTransferEngineFactory.register_engine(name, "rlserve.worker.engines", cls)

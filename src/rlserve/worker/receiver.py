@@ -30,11 +30,10 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import save_file
 
-from rlserve.transfer import patch
-from rlserve.transfer.gloo_link import GlooLink
-from rlserve.transfer.manifest import ManifestEntry, lora_config_misfit, lora_misfit, lora_tensor_misfit
-from rlserve.transfer.notify import Notifier
-from rlserve.transfer.protocol import (
+from rlserve.config import chunk_deadline_s
+from rlserve.wire import patch
+from rlserve.wire.manifest import ManifestEntry, lora_config_misfit, lora_misfit, lora_tensor_misfit
+from rlserve.wire.protocol import (
     ChunkInfo,
     Deliver,
     ErrorCode,
@@ -43,7 +42,9 @@ from rlserve.transfer.protocol import (
     WorkerError,
     tensor_checksum,
 )
-from rlserve.transfer.shadow import ShadowUpdate
+from rlserve.worker.gloo_link import GlooLink
+from rlserve.worker.notifier import Notifier
+from rlserve.worker.shadow import ShadowUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ class Receiver:
             self._receiving = True
         assert link is not None
         if timeout_s is None:
-            timeout_s = self._timeout_s * (1 + info.num_bytes // (256 * 2**20))
+            timeout_s = chunk_deadline_s(self._timeout_s, info.num_bytes)
         try:
             self._receive(link, info, session, timeout_s)
         finally:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlserve.transfer.protocol import ErrorCode, WorkerError, combined_checksum, tensor_checksum
+from rlserve.wire.protocol import ErrorCode, WorkerError, combined_checksum, tensor_checksum
 
 # Rows of the identity fed to a packed kernel at once: bounds the probe's scratch memory.
 PROBE_BLOCK_ELEMENTS = 1 << 24

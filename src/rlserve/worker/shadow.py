@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from rlserve.transfer.protocol import ErrorCode, WorkerError
-from rlserve.transfer.served import ServedWeights
+from rlserve.wire.protocol import ErrorCode, WorkerError
+from rlserve.worker.served import ServedWeights
 
 # A module's own tensor and child tables: a shadow has its own, everything else is shared.
 _TABLES = ("_parameters", "_buffers", "_modules")

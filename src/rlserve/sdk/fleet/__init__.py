@@ -27,8 +27,9 @@ over the same servers: `FleetRouter` (`fleet.generate`, `fleet.stream`,
 `fleet.generate_many`).
 """
 
-from rlserve.fleet.async_fleet import AsyncFleet
-from rlserve.fleet.fleet import Fleet
-from rlserve.fleet.members import Dropped, FleetError, FleetSyncError, FleetSyncStats
+from rlserve.sdk.fanout import Outcome
+from rlserve.sdk.fleet.async_fleet import AsyncFleet
+from rlserve.sdk.fleet.fleet import Fleet
+from rlserve.sdk.fleet.members import Dropped, FleetError, FleetSyncError, FleetSyncStats
 
-__all__ = ["AsyncFleet", "Dropped", "Fleet", "FleetError", "FleetSyncError", "FleetSyncStats"]
+__all__ = ["AsyncFleet", "Dropped", "Fleet", "FleetError", "FleetSyncError", "FleetSyncStats", "Outcome"]

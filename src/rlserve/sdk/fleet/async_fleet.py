@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rlserve.client import Client
-from rlserve.fleet.fleet import Fleet
-from rlserve.fleet.members import Dropped, FleetSyncStats
-from rlserve.routing import Routed
-from rlserve.transfer.plan import NamedTensors
+from rlserve.sdk.client import Client
+from rlserve.sdk.fleet.fleet import Fleet
+from rlserve.sdk.fleet.members import Dropped, FleetSyncStats
+from rlserve.sdk.fleet.routing import Routed
+from rlserve.sdk.plan import NamedTensors
 
 
 class AsyncFleet:

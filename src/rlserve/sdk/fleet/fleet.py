@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -13,42 +13,32 @@ import torch
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.client import ChannelCredentials, Client
 from rlserve.config import DEFAULT_TRANSFER_TIMEOUT_S
-from rlserve.fleet.group import FleetGroup
-from rlserve.fleet.members import (
-    COMMITTED,
-    GONE,
-    OK,
+from rlserve.sdk.client import ChannelCredentials, Client
+from rlserve.sdk.fanout import Member, Outcome, by_name, each, rpc_errors
+from rlserve.sdk.fleet.members import (
     Dropped,
-    Failed,
     FleetError,
     FleetSyncError,
     FleetSyncStats,
-    Member,
-    by_name,
-    check_votes,
-    describe,
-    each,
-    each_outcome,
-    is_gone,
     names_digest,
     require_same,
-    rpc_errors,
-    step,
 )
-from rlserve.routing import FleetRouter
-from rlserve.trainer import PAUSE_MODES, step_timeout_s
-from rlserve.transfer.plan import DEFAULT_CHUNK_BYTES, NamedTensors, check_sizes, plan_sync
-from rlserve.transfer.protocol import BACKEND_NAME, DEFAULT_BUCKET_BYTES, combined_checksum
+from rlserve.sdk.fleet.routing import FleetRouter
+from rlserve.sdk.group import RendezvousFailed, TransferGroup
+from rlserve.sdk.plan import DEFAULT_CHUNK_BYTES, NamedTensors, check_sizes, plan_sync
+from rlserve.sdk.protocol import Abandoned, SyncProtocol, SyncRequest
+from rlserve.sdk.senders import SENDERS
 from rlserve.types import PauseMode
+from rlserve.wire.protocol import DEFAULT_BUCKET_BYTES, combined_checksum
 
 logger = logging.getLogger(__name__)
 
 
 class Fleet:
-    """Several rlserve servers (rlserve_gloo, staged updates) synced as one. Blocking; one
-    sync at a time. `servers`: addresses ("host:port") or `Client`s."""
+    """Several rlserve servers (one backend: rlserve_gloo, or rlserve_shm for servers on the
+    trainer's host; staged updates) synced as one. Blocking; one sync at a time. `servers`:
+    addresses ("host:port") or `Client`s."""
 
     def __init__(
         self,
@@ -77,8 +67,11 @@ class Fleet:
         if not self._members:
             raise ValueError("a fleet needs at least one server")
         self.dropped: list[Dropped] = []
-        self._group = FleetGroup(
+        self._group = TransferGroup(
             master_address=master_address, master_port=master_port, timeout_s=timeout_s, rpc_timeout_s=rpc_timeout_s
+        )
+        self._protocol = SyncProtocol(
+            self._group, timeout_s=timeout_s, rpc_timeout_s=rpc_timeout_s, pause_timeout_s=pause_timeout_s
         )
         self.router = FleetRouter(lambda: self.clients)
 
@@ -90,8 +83,10 @@ class Fleet:
 
     @property
     def master(self) -> tuple[str, int] | None:
-        """Where the trainer's end of the fleet's group listens; None until `init()`."""
-        return self._group.master
+        """Where the trainer's end of the fleet's group listens (rlserve_gloo); None until
+        `init()`."""
+        sender = self._group.sender
+        return sender.master if sender is not None else None
 
     @property
     def clients(self) -> list[Client]:
@@ -135,11 +130,12 @@ class Fleet:
 
     # Rendezvous --------------------------------------------------------------------------
 
-    def init(self, *, require_same_weights: bool = True) -> None:
-        """Check every server, then build one group with all their workers (bounded by the
-        transfer timeout). Raises FleetError naming the server that does not fit: not
-        reachable or not authenticated, no rlserve_gloo, in-place updates (the fleet's
-        all-or-nothing needs staged ones), another checkpoint or dtype, or (with
+    def init(self, *, require_same_weights: bool = True, span: int = DEFAULT_CHUNK_BYTES) -> None:
+        """Check every server, then build one transport to all their workers (bounded by the
+        transfer timeout; `span`: room for chunks that large, over shared memory). Raises
+        FleetError naming the server that does not fit: not reachable or not authenticated,
+        a backend the SDK has no sender for or another than the rest, in-place updates (the
+        fleet's all-or-nothing needs staged ones), another checkpoint or dtype, or (with
         `require_same_weights`, servers that are not new) other weights than the rest."""
         self._group.forget()
         members = list(self._members.values())
@@ -156,15 +152,16 @@ class Fleet:
         for m in members:
             info, state = infos[m.name], states[m.name]
             backend = info.rl_capabilities.weight_transfer_backend
-            if backend != BACKEND_NAME:
+            if backend not in SENDERS:
                 raise FleetError(
-                    f"{m.name}: its weight-transfer backend is {backend or 'none'!r}; a fleet needs {BACKEND_NAME!r}"
+                    f"{m.name}: its weight-transfer backend is {backend or 'none'!r}; a fleet needs one of {sorted(SENDERS)}"
                 )
             if not state.stages_updates:
                 raise FleetError(
                     f"{m.name}: it installs updates in place (--weight-update-mode in-place); a fleet needs staged updates"
                 )
             m.num_workers = info.parallelism.world_size * max(1, info.parallelism.data_parallel_size)
+        require_same({m.name: infos[m.name].rl_capabilities.weight_transfer_backend for m in members}, "runs backend")
         dtypes = {m.name: states[m.name].weight_dtype for m in members}
         require_same(dtypes, "serves weights in")
         sums = self._readable_checksums(members)
@@ -174,7 +171,10 @@ class Fleet:
         if require_same_weights:
             settled = {m.name: sums[m.name].overall for m in members if not m.fresh}
             require_same(settled, "serves other weights, digest")
-        self._group.rendezvous(members)
+        try:
+            self._group.rendezvous(members, infos[members[0].name].rl_capabilities.weight_transfer_backend, span=span)
+        except RendezvousFailed as e:
+            raise FleetError(str(e)) from e
 
     # Sync --------------------------------------------------------------------------------
 
@@ -195,93 +195,44 @@ class Fleet:
         members = list(self._members.values())
         # A member someone else paused (an operator draining it) stays paused: theirs to end.
         found_paused = {n for n, s in states.items() if s.pause_phase != lifecycle_pb2.PAUSE_PHASE_RUNNING}
-        if not self._group.spans(self._members) or not all(s.transport_ready for s in states.values()):
-            self.init(require_same_weights=False)
-        init_s = time.perf_counter() - t_init
         dtype = getattr(torch, states[members[0].name].weight_dtype, None)
         tensors, chunks = plan_sync(weights, dtype, chunk_bytes=self._chunk_bytes, bucket_bytes=self._bucket_bytes)
+        if not self._group.spans(self._members, chunks) or not all(s.transport_ready for s in states.values()):
+            self.init(require_same_weights=False, span=self._group.span_of(chunks))
+        init_s = time.perf_counter() - t_init
         self._check_partial(members, set(tensors))
-        num_bytes = sum(c.num_bytes for c in chunks)
-        t_pause = time.perf_counter()
-        pause = cpb.PauseGenerationRequest(mode=PAUSE_MODES[mode])
-        replies = each(members, lambda m: m.client.control.PauseGeneration.future(pause, timeout=self._pause_timeout_s))
-        paused = [m for m in members if not isinstance(replies[m.name], BaseException)]
+        request = SyncRequest(members, chunks, tensors, version, mode, verify, found_paused=found_paused)
         try:
-            if len(paused) < len(members):
-                raise Failed("pause", rpc_errors(replies))
-            step(
-                members,
-                "start",
-                lambda m: m.client.control.StartWeightUpdate.future(
-                    cpb.StartWeightUpdateRequest(), timeout=self._rpc_timeout_s
-                ),
-            )
-            t0 = time.perf_counter()
-            for chunk in chunks:
-                self._group.send_chunk(members, chunk, tensors)
-            transfer_s = time.perf_counter() - t0
-            prepared = step(
-                members,
-                "prepare",
-                lambda m: m.lifecycle.PrepareWeightUpdate.future(
-                    lifecycle_pb2.PrepareWeightUpdateRequest(), timeout=self._step_timeout_s(num_bytes)
-                ),
-            )
-            check_votes(prepared, len(chunks), sum(len(c.tensors) for c in chunks))
-        except Failed as e:
-            raise self._abandon(members, [m for m in paused if m.name not in found_paused], e) from e
-        prepare_s = time.perf_counter() - t0 - transfer_s
-        # The vote is in: from here on a server that fails is dropped, the others commit.
-        t_commit = time.perf_counter()
-        finish = cpb.FinishWeightUpdateRequest(weight_version=version)
-        finished = each_outcome(
-            members,
-            lambda m: m.client.control.FinishWeightUpdate.future(finish, timeout=self._step_timeout_s(num_bytes)),
-        )
-        commit_s = time.perf_counter() - t_commit
-        mine = {t.name: t.checksum for c in chunks for t in c.tensors}
-        outcomes = {n: COMMITTED if r == OK else f"commit failed: {r}" for n, r in finished.items()}
-        committed = [m for m in members if outcomes[m.name] == COMMITTED]
-        if verify:
-            for name, wrong in self._wrong_digests(committed, mine).items():
-                outcomes[name] = f"serves other weights after its commit: {wrong}"
-            committed = [m for m in committed if outcomes[m.name] == COMMITTED]
-        failed = [m for m in members if m not in committed]
-        for m in failed:
-            self._drop(m.name, f"sync to {version!r}: {outcomes[m.name]}")
-        resumed = each_outcome(
-            [m for m in committed if m.name not in found_paused],
-            lambda m: m.client.control.ResumeGeneration.future(
-                cpb.ResumeGenerationRequest(), timeout=self._rpc_timeout_s
-            ),
-        )
-        pause_to_resume_s = time.perf_counter() - t_pause
-        if failed:
-            names = [m.name for m in committed]
+            report = self._protocol.run(request)
+        except Abandoned as e:
+            raise self._abandoned(members, e) from e
+        for m in report.failed:
+            self._drop(m.name, f"sync to {version!r}: {report.outcomes[m.name]}")
+        if report.failed:
             raise FleetSyncError(
-                f"the sync to {version!r} committed on {len(committed)} of {len(members)} servers; dropped: "
-                + "; ".join(f"{m.name}: {outcomes[m.name]}" for m in failed),
-                outcomes,
-                names,
-                [m.name for m in failed],
+                f"the sync to {version!r} committed on {len(report.committed)} of {len(members)} servers; dropped: "
+                + "; ".join(f"{m.name}: {report.outcomes[m.name]}" for m in report.failed),
+                report.outcomes,
+                [m.name for m in report.committed],
+                [m.name for m in report.failed],
             )
         for m in members:
             m.fresh = False
-        stuck = {n: r for n, r in resumed.items() if r != OK}
+        stuck = {n: str(r) for n, r in report.resumed.items() if not r.ok}
         if stuck:
             logger.warning("fleet: committed %r but resume failed on %s", version, stuck)
         return FleetSyncStats(
             weight_version=version,
             servers=tuple(m.name for m in members),
-            num_tensors=len(mine),
-            num_bytes=num_bytes,
+            num_tensors=len(report.sent),
+            num_bytes=sum(c.num_bytes for c in chunks),
             num_chunks=len(chunks),
             init_s=init_s,
-            transfer_s=transfer_s,
-            prepare_s=prepare_s,
-            commit_s=commit_s,
-            pause_to_resume_s=pause_to_resume_s,
-            checksum=combined_checksum(mine),
+            transfer_s=report.transfer_s,
+            prepare_s=report.prepare_s,
+            commit_s=report.commit_s,
+            pause_to_resume_s=report.pause_to_resume_s,
+            checksum=combined_checksum(report.sent),
             left_paused=tuple(sorted(found_paused)),
         )
 
@@ -300,49 +251,20 @@ class Fleet:
         sums = self._readable_checksums(members)
         require_same({n: r.overall for n, r in sums.items()}, "serves other weights (send every tensor), digest")
 
-    def _abandon(self, members: list[Member], paused: list[Member], failure: Failed) -> FleetSyncError:
-        """Before the vote: every server aborts and keeps its old weights; each one that
-        still answers resumes; those that do not are dropped."""
-        aborted = each_outcome(
-            members,
-            lambda m: m.lifecycle.AbortWeightUpdate.future(
-                lifecycle_pb2.AbortWeightUpdateRequest(), timeout=self._rpc_timeout_s
-            ),
-        )
-        gone = [m for m in members if is_gone(aborted[m.name])]
-        resumed = each_outcome(
-            [m for m in paused if m not in gone],
-            lambda m: m.client.control.ResumeGeneration.future(
-                cpb.ResumeGenerationRequest(), timeout=self._rpc_timeout_s
-            ),
-        )
-        outcomes = {
-            m.name: failure.errors.get(m.name, f"aborted at {failure.step}: another server failed") for m in members
-        }
-        for m in gone:
-            self._drop(m.name, f"unreachable after a failed sync: {aborted[m.name]}")
-        not_resumed = {n: r for n, r in resumed.items() if r != OK}
+    def _abandoned(self, members: list[Member], abandoned: Abandoned) -> FleetSyncError:
+        """Before the vote: every server aborted and keeps its old weights; those that do not
+        answer are dropped."""
+        for name in abandoned.gone:
+            self._drop(name, f"unreachable after a failed sync: {abandoned.outcomes[name]}")
+        not_resumed = {n: str(r) for n, r in abandoned.not_resumed.items()}
         detail = f"; not resumed: {not_resumed}" if not_resumed else ""
         return FleetSyncError(
-            f"the sync failed at {failure.step}, every server kept its old weights: {failure}{detail}",
-            outcomes,
+            f"the sync failed at {abandoned.failure.step}, every server kept its old weights: "
+            f"{abandoned.failure}{detail}",
+            abandoned.outcomes,
             [],
-            [m.name for m in gone],
+            list(abandoned.gone),
         )
-
-    def _wrong_digests(self, members: list[Member], mine: Mapping[str, str]) -> dict[str, str]:
-        sums = self._checksums(members)
-        wrong: dict[str, str] = {}
-        for name, served in sums.items():
-            if isinstance(served, BaseException):
-                wrong[name] = f"its digests cannot be read: {describe(served)}"
-                continue
-            bad = sorted(
-                {n for n, d in mine.items() if served.per_tensor.get(n) != d} | set(served.inconsistent_tensors)
-            )
-            if bad:
-                wrong[name] = f"tensors {bad[:5]}"
-        return wrong
 
     def _current_states(self) -> dict[str, Any]:
         """Every member's state; a member that does not answer is dropped with a report.
@@ -350,8 +272,8 @@ class Fleet:
         members = list(self._members.values())
         states = self._states(members)
         for name, state in list(states.items()):
-            if isinstance(state, grpc.RpcError) and state.code() in GONE:
-                self._drop(name, f"unreachable when a sync began: {describe(state)}")
+            if isinstance(state, grpc.RpcError) and Outcome.of(state).gone:
+                self._drop(name, f"unreachable when a sync began: {Outcome.of(state)}")
                 del states[name]
         errors = rpc_errors(states)
         if errors:
@@ -378,9 +300,6 @@ class Fleet:
         if unreadable:
             raise FleetError("servers whose weights cannot be digested: " + by_name(unreadable))
         return sums
-
-    def _step_timeout_s(self, num_bytes: int) -> float:
-        return step_timeout_s(self._timeout_s, num_bytes)
 
     # Rollouts ----------------------------------------------------------------------------
 

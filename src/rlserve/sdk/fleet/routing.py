@@ -28,7 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlserve.api.vllm import inference_pb2
-from rlserve.client import Client, Prompt
+from rlserve.sdk.client import Client, Prompt
 
 INFERENCE_SERVICE = "vllm.Inference"
 # After a watch ends (the server went away), before watching it again.
