@@ -168,7 +168,10 @@ def sdk_seconds(
 
 def medians(runs: list) -> dict[str, float]:
     """The median seconds of SyncStats runs."""
-    return {key: median([getattr(r, key) for r in runs]) for key in ("transfer_s", "pause_to_resume_s", "commit_s")}
+    return {
+        key: median([getattr(r, key) for r in runs])
+        for key in ("transfer_s", "pause_to_resume_s", "prepare_s", "commit_s")
+    }
 
 
 def moved(weights: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:

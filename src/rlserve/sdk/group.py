@@ -110,7 +110,7 @@ class TransferGroup:
                 try:
                     join.result()
                 except RuntimeError as e:
-                    raise RendezvousFailed({"trainer": Outcome.failure(str(e))}) from e
+                    raise RendezvousFailed({"trainer": Outcome.failure(f"the trainer's side failed: {e}")}) from e
 
     def send_chunk(
         self, members: Sequence[Member], chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor], bar: Any = None

@@ -70,6 +70,8 @@ class SyncStats:
     checksum: str
     # FinishWeightUpdate: the server's commit into the model (and its prefix-cache reset).
     commit_s: float = 0.0
+    # PrepareWeightUpdate: the server checks it holds every staged tensor (the vote).
+    prepare_s: float = 0.0
     # False when the server was paused by someone else when the sync began: it is left
     # paused, as it was found (pause_to_resume_s then ends at the commit).
     resumed: bool = True
@@ -213,6 +215,7 @@ class WeightSync:
             transfer_s=report.transfer_s,
             pause_to_resume_s=report.pause_to_resume_s,
             commit_s=report.commit_s,
+            prepare_s=report.prepare_s,
             checksum=report.served[name].overall if verify else combined_checksum(report.sent),
             resumed=resume,
         )
