@@ -27,25 +27,16 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.config import DEFAULT_TRANSFER_TIMEOUT_S
 from rlserve.sdk.client import Client
-from rlserve.sdk.fanout import RPC_MARGIN_S, Failed, Member, Outcome, step_timeout_s
+from rlserve.sdk.fanout import Failed, Member, Outcome, step_timeout_s
 from rlserve.sdk.group import RendezvousFailed, TransferGroup
 from rlserve.sdk.plan import DEFAULT_CHUNK_BYTES, NamedTensors, check_sizes, plan_patch, plan_sync
-from rlserve.sdk.protocol import PAUSE_MODES, Abandoned, SyncProtocol, SyncRequest
+from rlserve.sdk.protocol import Abandoned, SyncProtocol, SyncRequest
 from rlserve.sdk.senders import SENDERS, NoBar
 from rlserve.types import PauseMode
 from rlserve.wire import patch as _patch
 from rlserve.wire.protocol import BACKEND_NAME, DEFAULT_BUCKET_BYTES, SHM_BACKEND_NAME, ChunkInfo, combined_checksum
 
 TRANSPORTS = {"gloo": BACKEND_NAME, "shm": SHM_BACKEND_NAME}
-__all__ = [
-    "PAUSE_MODES",
-    "RPC_MARGIN_S",
-    "LoraSyncStats",
-    "SyncStats",
-    "WeightSync",
-    "WeightSyncError",
-    "step_timeout_s",
-]
 
 
 class WeightSyncError(RuntimeError):
@@ -335,11 +326,6 @@ class WeightSync:
                 f"weight sync failed, old weights kept: {reason}", resumed_on_old_weights=True, code=cause.code
             )
         return WeightSyncError(f"weight sync failed: {reason}", resumed_on_old_weights=False, code=cause.code)
-
-
-def status_of(error: BaseException) -> grpc.StatusCode | None:
-    """The gRPC status of a failed call; None for any other error."""
-    return error.code() if isinstance(error, grpc.RpcError) else None
 
 
 def _cause(error: BaseException) -> Outcome:
