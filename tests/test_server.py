@@ -14,6 +14,7 @@ from rlserve.api.vllm import inference_pb2 as pb
 from rlserve.config import ServeConfig
 from rlserve.sdk.client import generate_request
 from rlserve.server.app import RlserveServer
+from rlserve.server.listeners import AddressInUse
 
 from conftest import eventually
 from helpers import long_request, read_rest
@@ -152,3 +153,27 @@ async def test_reflection_answers_under_both_names(channel, service):
     await call.write(rpb.ServerReflectionRequest(file_containing_symbol="no.such.Service"))
     assert (await call.read()).error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
     await call.done_writing()
+
+
+@pytest.mark.parametrize("num_frontends", [1, 2])
+async def test_a_port_another_server_holds_is_refused_not_shared(engine_config, num_frontends):
+    """gRPC binds with SO_REUSEPORT by default: a second server on a port a gRPC server
+    already holds bound it too, and the kernel split new connections between the two
+    (clients of one server reached the other). Only a server's own frontend processes share
+    its inference port."""
+    holder = grpc.aio.server()  # another gRPC server (rlserve or not), with gRPC's defaults
+    port = holder.add_insecure_port("127.0.0.1:0")
+    await holder.start()
+    config = ServeConfig(
+        engine=engine_config,
+        port=port,
+        num_frontends=num_frontends,
+        control_address="127.0.0.1:0" if num_frontends > 1 else "",
+    )
+    server = RlserveServer(config)
+    try:
+        with pytest.raises(AddressInUse, match=rf"127\.0\.0\.1:{port} .*in use"):
+            await server.start()
+    finally:
+        await server.stop(0)
+        await holder.stop(0)

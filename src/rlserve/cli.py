@@ -267,10 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     from rlserve.server.app import serve
+    from rlserve.server.listeners import AddressInUse
 
     try:
         # uvloop (a vLLM dependency) costs grpc.aio ~20 µs less CPU per streamed message.
         uvloop.run(serve(config))
+    except AddressInUse as e:
+        print(f"rlserve: {e}", file=sys.stderr)
+        return 2
     finally:
         if metrics_directory is not None:
             metrics_directory.cleanup()

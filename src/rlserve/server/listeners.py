@@ -5,6 +5,7 @@ served on every listener."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,10 @@ INFERENCE_SERVICES = (INFERENCE_SERVICE, GENERATE_ALIAS)
 SERVICE_NAMES = (*INFERENCE_SERVICES, CONTROL_SERVICE, RL_CONTROL_ALIAS, LIFECYCLE_SERVICE)
 
 
+class AddressInUse(OSError):
+    """A listening address could not be bound (another process holds it, most often)."""
+
+
 @dataclass(frozen=True)
 class Servicers:
     inference: inference_pb2_grpc.InferenceServicer
@@ -47,9 +52,14 @@ class Servicers:
 
 @dataclass
 class Listening:
+    """`shared`: the server's frontend processes all serve this address (SO_REUSEPORT);
+    `joins`: this process joins an address its leader holds already."""
+
     address: str
     kind: Listener
     server: grpc.aio.Server
+    shared: bool = False
+    joins: bool = False
     port: int = 0
 
 
@@ -99,7 +109,11 @@ def build(
             record=record,
             observe=observe,
         )
-        server = grpc.aio.server(interceptors=[interceptor], options=options)
+        # gRPC binds with SO_REUSEPORT unless told not to: a second server on a port another
+        # one holds would bind it too and take part of its connections. Only a server's own
+        # frontend processes share its inference port.
+        shared = kind is Listener.INFERENCE and config.num_frontends > 1
+        server = grpc.aio.server(interceptors=[interceptor], options=[*options, ("grpc.so_reuseport", int(shared))])
         names = [health.SERVICE_NAME]
         if kind is not Listener.CONTROL:
             inference_pb2_grpc.add_InferenceServicer_to_server(servicers.inference, server)
@@ -114,7 +128,7 @@ def build(
             names += [RL_CONTROL_ALIAS, LIFECYCLE_SERVICE]
         health_pb2_grpc.add_HealthServicer_to_server(servicers.health, server)
         reflection.enable(names, server)
-        listenings.append(Listening(address, kind, server))
+        listenings.append(Listening(address, kind, server, shared=shared, joins=inference_only))
     return listenings
 
 
@@ -122,11 +136,32 @@ async def start(listenings: list[Listening], security: SecurityConfig) -> None:
     credentials = server_credentials(security)
     for listening in listenings:
         server, address = listening.server, listening.address
-        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        if listening.shared and not listening.joins:
+            _refuse_if_held(address)
+        try:
+            port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        except RuntimeError as e:  # how grpc says bind() failed
+            raise AddressInUse(f"could not bind {address} (in use by another process?): {e}") from None
         if port == 0:
-            raise OSError(f"could not bind {address}")
+            raise AddressInUse(f"could not bind {address} (in use by another process?)")
         listening.port = port
         await server.start()
+
+
+def _refuse_if_held(address: str) -> None:
+    """AddressInUse if anything listens on `address` (HOST:PORT) already: the leader of several
+    frontends binds with SO_REUSEPORT (its followers join it), which would not fail on a port
+    another process's gRPC server holds. A plain bind does."""
+    host, _, port = address.rpartition(":")
+    if address.startswith("unix:") or port in ("", "0"):
+        return
+    for family, kind, proto, _, where in socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: past TIME_WAIT
+            try:
+                probe.bind(where)
+            except OSError as e:
+                raise AddressInUse(f"could not bind {address} (in use by another process?): {e}") from None
 
 
 def server_credentials(security: SecurityConfig) -> grpc.ServerCredentials | None:
