@@ -1,6 +1,6 @@
 """The house is sorted by the process that runs the code, and imports point one way:
 
-- vocabulary (`types`, `errors`, `config`, `caller`, `payloads`, `model_cache`, `api/`): every
+- vocabulary (`types`, `errors`, `config`, `caller`, `payloads`, `model_cache`, `parent`, `api/`): every
   side; imports nothing else of rlserve;
 - `wire/`: formats every process shares; only the vocabulary;
 - `worker/`: inside vLLM's processes; only `wire/` and the vocabulary (and vLLM);
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "rlserve"
-VOCABULARY = ("types", "errors", "config", "caller", "payloads", "model_cache", "api")
+VOCABULARY = ("types", "errors", "config", "caller", "payloads", "model_cache", "parent", "api")
 SIDES = ("wire", "worker", "sdk", "server", "frontends", "lifecycle", "engine", "rl", "cli")
 # The faces: documented import paths of the SDK, kept where users import them from.
 FACES = ("client", "trainer", "ray", "fleet")

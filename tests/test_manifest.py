@@ -86,7 +86,7 @@ def test_the_adapter_config_must_agree_with_its_tensors():
 
 def test_a_deeply_nested_adapter_config_is_refused_before_it_reaches_the_workers():
     from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
-    from rlserve.server.convert import start_lora_update
+    from rlserve.server.convert_lifecycle import start_lora_update
 
     nested: object = 1
     for _ in range(500):

@@ -9,30 +9,29 @@ and weight updates are the lifecycle controller's, which calls down into this ad
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import vllm
 from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
 from vllm.exceptions import VLLMClientError
 from vllm.lora.request import LoRARequest
-from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from rlserve.config import EngineConfig
+from rlserve.engine import describe, vllm_compat
 from rlserve.engine.liveness import EngineMonitor
 from rlserve.engine.load import LoadBoard, NoPrometheus
 from rlserve.engine.outputs import OutputTranslator, aborted_before_start
 from rlserve.engine.process_group import engine_in_own_group
 from rlserve.engine.sampling import ModelLimits, build_prompt_token_ids, build_sampling_params, refused_by_vllm
-from rlserve.engine.shared import FrontendClient, configure
+from rlserve.engine.shared import FrontendClient
+from rlserve.engine.stream import RequestStream
 from rlserve.engine.transport import WeightTransport, make_transport
 from rlserve.errors import CapabilityMissing, EngineUnavailable, InvalidRequest, UnknownModel
 from rlserve.types import (
@@ -43,12 +42,11 @@ from rlserve.types import (
     KvEventSource,
     LoraAdapter,
     ModelInfo,
-    ParallelismInfo,
     PauseMode,
     RlCapabilities,
     ServerInfo,
 )
-from rlserve.wire.manifest import ManifestEntry, lora_config_misfit, lora_misfit, read_manifest
+from rlserve.wire.manifest import ManifestEntry, lora_files_misfit, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +126,8 @@ class EngineAdapter:
         self._tokenizer = llm.get_tokenizer()
         self._is_multimodal = vc.model_config.is_multimodal_model
         self._eos_token_id = getattr(self._tokenizer, "eos_token_id", None)
-        core = llm.engine_core
         self.monitor = EngineMonitor(
-            lambda: core.call_utility_all_async("get_weight_version"),
+            lambda: vllm_compat.call_every_engine(llm, "get_weight_version"),
             hang_timeout_s=config.hang_timeout_s,
             errored=lambda: llm.errored,
             dead_errors=(EngineDeadError,),
@@ -151,11 +148,8 @@ class EngineAdapter:
     def start(cls, config: EngineConfig) -> EngineAdapter:
         """Start the engine (tens of seconds); raises what vLLM raises on a bad config."""
         load = LoadBoard() if config.log_stats else None
-        loggers: list[Any] = [load.logger] if load else []
-        if load and not config.vllm_metrics:
-            loggers.append(NoPrometheus)
         with engine_in_own_group():
-            llm = AsyncLLM.from_engine_args(engine_args(config), stat_loggers=loggers or None)
+            llm = AsyncLLM.from_engine_args(engine_args(config), stat_loggers=_stat_loggers(config, load))
         return cls(llm, config, load)
 
     @classmethod
@@ -171,14 +165,11 @@ class EngineAdapter:
         The engine sends each step's scheduler figures to one frontend: `forward_load` passes
         those this one gets on to frontend 0 (which keeps the newest per engine)."""
         load = LoadBoard(forward_load) if config.log_stats else None
-        loggers: list[Any] = [load.logger] if load else []
-        if load and not config.vllm_metrics:
-            loggers.append(NoPrometheus)
         if vllm_config is None:
-            vllm_config = configure(engine_args(config), client.count, client.index)
+            vllm_config = vllm_compat.frontend_engine_config(engine_args(config), client.count, client.index)
         llm = AsyncLLM.from_vllm_config(
             vllm_config,
-            stat_loggers=loggers or None,
+            stat_loggers=_stat_loggers(config, load),
             disable_log_stats=load is None,
             client_addresses=client.addresses,
             client_count=client.count,
@@ -199,16 +190,11 @@ class EngineAdapter:
         """Before `shutdown`, on the event loop, once every request has ended."""
         if self.transport is not None:
             await self.transport.close()
-        # vLLM cancels its output handler only after the engine has stopped, from the thread
-        # that stops it: the handler could see the engine gone first and log that as a failure
-        # with a traceback (a clean shutdown's log said ERROR).
-        handler = getattr(self._llm, "output_handler", None)
-        if handler is not None:
-            handler.cancel()
+        vllm_compat.cancel_output_handler(self._llm)
 
     # Generation ---------------------------------------------------------------------------
 
-    async def prepare(self, params: GenerateParams, lora: LoraAdapter | None = None) -> PreparedRequest:
+    async def validate(self, params: GenerateParams, lora: LoraAdapter | None = None) -> PreparedRequest:
         """Everything the engine would refuse is refused here, before the request is held or
         sent: InvalidRequest / UnknownModel naming the field."""
         self._check_model(params.model)
@@ -218,7 +204,7 @@ class EngineAdapter:
 
     async def submit(self, request: PreparedRequest) -> RequestStream:
         """Hand the request to the engine; it runs from now on, also while nobody reads."""
-        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        prompt: TokensPrompt = {"prompt_token_ids": request.prompt_token_ids}
         if request.params.cache_salt:
             prompt["cache_salt"] = request.params.cache_salt
         if self.monitor.is_dead:
@@ -230,7 +216,7 @@ class EngineAdapter:
                 prompt,
                 request.sampling,
                 priority=request.params.priority,
-                lora_request=_lora_request(request.lora),
+                lora_request=_lora_request(request.lora) if request.lora is not None else None,
             )
         except (TypeError, ValueError, VLLMClientError) as e:
             # The input processor's checks beyond SamplingParams.verify (features the engine
@@ -263,7 +249,7 @@ class EngineAdapter:
         """Abort requests by vLLM's internal ids, whichever frontend process submitted them
         (those of a frontend that is gone: nothing reads their outputs)."""
         if internal_ids and not self.monitor.is_dead:
-            await self.monitor.guard(self._llm.engine_core.abort_requests_async(internal_ids))
+            await self.monitor.guard(vllm_compat.abort_internal_requests(self._llm, internal_ids))
 
     async def _abort_internal(self, internal_id: str) -> None:
         """Abort one submitted request by vLLM's internal id, which is unique."""
@@ -287,7 +273,7 @@ class EngineAdapter:
         callback is the signal."""
         if clear_cache and self._is_multimodal:
             await self.monitor.guard(self._llm.renderer.clear_mm_cache_async())
-        await self.monitor.guard(self._llm.engine_core.pause_scheduler_async(mode=mode.value, clear_cache=clear_cache))
+        await self.monitor.guard(vllm_compat.pause_scheduler(self._llm, mode.value, clear_cache))
 
     async def resume(self) -> None:
         await self.monitor.guard(self._llm.resume_generation())
@@ -302,7 +288,7 @@ class EngineAdapter:
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached KV block, also those of kept requests (they are recomputed on
         resume): after a weight update no old-weight state may be reused."""
-        return await self.monitor.guard(self._llm.engine_core.reset_prefix_cache_async(reset_running_requests=True))
+        return await self.monitor.guard(vllm_compat.reset_prefix_cache_everywhere(self._llm))
 
     async def set_weight_version(self, version: str) -> None:
         await self.monitor.guard(self._llm.update_weight_version(version))
@@ -311,9 +297,8 @@ class EngineAdapter:
         return await self.monitor.guard(self._llm.get_weight_version())
 
     async def engine_statuses(self) -> list[EngineStatus]:
-        core = self._llm.engine_core
-        paused = await self.monitor.guard(core.call_utility_all_async("is_scheduler_paused"))
-        versions = await self.monitor.guard(core.call_utility_all_async("get_weight_version"))
+        paused = await self.monitor.guard(vllm_compat.call_every_engine(self._llm, "is_scheduler_paused"))
+        versions = await self.monitor.guard(vllm_compat.call_every_engine(self._llm, "get_weight_version"))
         first_rank = self._llm.vllm_config.parallel_config.data_parallel_rank
         return [EngineStatus(first_rank + i, bool(p), str(v)) for i, (p, v) in enumerate(zip(paused, versions))]
 
@@ -358,19 +343,11 @@ class EngineAdapter:
                 self._manifest = read_manifest(self._config.model)
             except (OSError, ValueError) as e:
                 raise CapabilityMissing(f"adapters are checked against a safetensors checkpoint: {e}") from e
+        lora = self._llm.vllm_config.lora_config
         try:
-            tensors = read_manifest(path)
+            problem = lora_files_misfit(Path(path), self._manifest, lora.max_lora_rank if lora is not None else 0)
         except (OSError, ValueError) as e:
             raise InvalidRequest("source_path", f"no readable adapter weights: {e}") from e
-        lora = self._llm.vllm_config.lora_config
-        problem = lora_misfit(tensors, self._manifest, lora.max_lora_rank if lora is not None else 0)
-        if not problem:
-            try:
-                config = json.loads((Path(path) / "adapter_config.json").read_text())
-            except (OSError, ValueError):
-                config = None  # vLLM says what is wrong with it
-            if isinstance(config, dict):
-                problem = lora_config_misfit(config, tensors)
         if problem:
             raise InvalidRequest("source_path", problem)
 
@@ -392,126 +369,29 @@ class EngineAdapter:
             raise UnknownModel(model, self._config.served_names)
 
     def server_info(self) -> ServerInfo:
-        vc = self._llm.vllm_config
-        pc, sc = vc.parallel_config, vc.scheduler_config
-        return ServerInfo(
-            engine_version=vllm.__version__,
-            # The API family, not a version: Dynamo's sidecar accepts only `vllm` here.
-            api_version="vllm",
-            instance_id=self.instance_id,
-            parallelism=ParallelismInfo(
-                tensor_parallel_size=pc.tensor_parallel_size,
-                pipeline_parallel_size=pc.pipeline_parallel_size,
-                data_parallel_size=pc.data_parallel_size,
-                data_parallel_rank=pc.data_parallel_rank,
-                decode_context_parallel_size=pc.decode_context_parallel_size,
-                world_size=pc.world_size,
-                data_parallel_size_local=pc.data_parallel_size_local,
-            ),
-            max_model_len=self._limits.max_model_len,
-            kv_block_size=vc.cache_config.block_size,
-            total_kv_blocks=vc.cache_config.num_gpu_blocks or 0,
-            max_running_requests=sc.max_num_seqs,
-            max_batched_tokens=sc.max_num_batched_tokens,
-            rl_capabilities=self.capabilities(),
-            max_loras=vc.lora_config.max_loras if vc.lora_config is not None else 0,
-            effective_attention_block_size=vc.cache_config.block_size,
-        )
+        return describe.server_info(self._llm.vllm_config, self.instance_id, self.capabilities())
 
     @property
     def weight_dtype(self) -> str:
         """What the model computes with, e.g. "float32"."""
-        return str(self._llm.vllm_config.model_config.dtype).removeprefix("torch.")
+        return describe.weight_dtype(self._llm.vllm_config)
 
     def capabilities(self) -> RlCapabilities:
-        vc = self._llm.vllm_config
-        transport = self.transport
-        spec = vc.speculative_config
-        has_draft = spec is not None and getattr(spec, "draft_model_config", None) is not None
-        return RlCapabilities(
-            weight_transfer_enabled=transport is not None,
-            weight_transfer_backend=transport.backend if transport is not None else "",
-            sleep_mode_enabled=bool(vc.model_config.enable_sleep_mode) and current_platform.is_sleep_mode_available(),
-            draft_weight_updates_enabled=transport is not None and not transport.stages_updates and has_draft,
-        )
+        return describe.capabilities(self._llm.vllm_config, self.transport)
 
     def model_info(self) -> ModelInfo:
-        mc = self._llm.vllm_config.model_config
-        names = self._config.served_names
-        return ModelInfo(
-            model_id=mc.model,
-            served_model_name=names[0],
-            served_model_aliases=names[1:],
-            supports_text_input=not mc.skip_tokenizer_init,
-            supports_token_ids_input=True,
-            supports_multimodal=mc.is_multimodal_model,
-            supports_lora=self.lora_enabled,
-        )
+        return describe.model_info(self._llm.vllm_config, self._config.served_names)
 
     def kv_event_sources(self) -> tuple[KvEventSource, ...]:
-        sources = []
-        for dp_rank, cfg in sorted(self._llm.get_kv_event_sources().items()):
-            if not getattr(cfg, "enable_kv_cache_events", False):
-                continue
-            sources.append(
-                KvEventSource(
-                    transport=cfg.publisher,
-                    endpoint=cfg.endpoint,
-                    topic=cfg.topic,
-                    replay_endpoint=cfg.replay_endpoint or "",
-                    data_parallel_rank=dp_rank,
-                    buffer_steps=cfg.buffer_steps,
-                    hwm=cfg.hwm,
-                    max_queue_size=cfg.max_queue_size,
-                )
-            )
-        return tuple(sources)
+        return describe.kv_event_sources(self._llm.get_kv_event_sources())
 
 
-def _lora_request(adapter: LoraAdapter | None) -> LoRARequest | None:
-    if adapter is None:
-        return None
+def _lora_request(adapter: LoraAdapter) -> LoRARequest:
     return LoRARequest(adapter.lora_name, adapter.lora_id, adapter.source_path)
 
 
-class RequestStream:
-    """The outputs of one submitted request. Closing it before its end aborts the request.
-    It is in `open_streams` until it ends, so a dead engine can fail it."""
-
-    def __init__(
-        self,
-        collector: Any,
-        translator: OutputTranslator,
-        open_streams: set[RequestStream],
-        abort: Callable[[str], Awaitable[None]],
-    ) -> None:
-        self._collector = collector
-        self._translator = translator
-        self._open_streams = open_streams
-        self._abort = abort
-        open_streams.add(self)
-
-    @property
-    def internal_id(self) -> str:
-        return self._collector.request_id
-
-    def fail(self, error: Exception) -> None:
-        self._collector.put(error)
-
-    async def chunks(self) -> AsyncIterator[GenerateChunk]:
-        finished = False
-        try:
-            while not finished:
-                # Drain without awaiting when an output is ready (fewer task switches).
-                out: RequestOutput | None = self._collector.get_nowait() or await self._collector.get()
-                finished = out.finished
-                for chunk in self._translator.translate(out):
-                    yield chunk
-        except EngineDeadError as e:
-            raise EngineUnavailable("the engine died; restart the server") from e
-        finally:
-            self._collector.close()
-            self._open_streams.discard(self)
-            if not finished:
-                # The client went away, or translating failed: the engine must not run on.
-                await asyncio.shield(self._abort(self.internal_id))
+def _stat_loggers(config: EngineConfig, load: LoadBoard | None) -> list[Any] | None:
+    """The load board's logger, and vLLM's Prometheus logger only with --vllm-metrics."""
+    if load is None:
+        return None
+    return [load.logger] if config.vllm_metrics else [load.logger, NoPrometheus]

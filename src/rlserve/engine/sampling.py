@@ -220,7 +220,8 @@ def _structured_output(so: StructuredOutput) -> StructuredOutputsParams:
             json.loads(so.spec)  # type: ignore[arg-type]
         except ValueError as e:
             raise InvalidRequest("decoding.json", f"not a JSON schema: {e}") from e
-    return StructuredOutputsParams(**{kind.value: so.spec})
+    spec: Any = so.spec  # str for every kind but CHOICE (a tuple), checked by the parser
+    return StructuredOutputsParams(**{kind.value: spec})
 
 
 def _native_kwargs(native: Mapping[str, Any]) -> dict[str, Any]:

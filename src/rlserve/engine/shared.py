@@ -21,11 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm import AsyncEngineArgs
-from vllm.usage.usage_lib import UsageContext
-from vllm.v1.engine.utils import bind_engine_zmq_listeners, launch_core_engines
-from vllm.v1.executor import Executor
 
 from rlserve.engine.process_group import engine_in_own_group
+from rlserve.engine.vllm_compat import (
+    bind_frontend_sockets,
+    engine_sentinels,
+    frontend_engine_config,
+    launch_engine_cores,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,26 +43,17 @@ class FrontendClient:
     addresses: dict[str, Any]
 
 
-def configure(args: AsyncEngineArgs, count: int, index: int) -> Any:
-    """The vLLM config of frontend `index` of `count` (-1: the launcher)."""
-    args._api_process_count = count
-    args._api_process_rank = index
-    return args.create_engine_config(UsageContext.OPENAI_API_SERVER)
-
-
 class SharedEngine:
     """The engine processes launched for `count` frontends (and `num_spare` spare socket
     pairs, for frontends that replace one that died), and their sockets."""
 
     def __init__(self, args: AsyncEngineArgs, count: int, log_stats: bool, num_spare: int = 0) -> None:
         total = count + num_spare
-        self.vllm_config = configure(args, total, -1)
+        self.vllm_config = frontend_engine_config(args, total, -1)
         # Kept: collecting it closes every socket and removes their paths.
-        self._listeners = listeners = bind_engine_zmq_listeners(self.vllm_config, total)
+        self._listeners = listeners = bind_frontend_sockets(self.vllm_config, total)
         with engine_in_own_group():
-            with launch_core_engines(
-                self.vllm_config, Executor.get_class(self.vllm_config), log_stats, listeners.addresses
-            ) as launch:
+            with launch_engine_cores(self.vllm_config, log_stats, listeners.addresses) as launch:
                 pass  # the block's end waits for the engine to start
         self._manager = launch.engine_manager
         self._coordinator = launch.coordinator
@@ -91,7 +85,7 @@ class SharedEngine:
     def watch(self, on_exit: Callable[[str], None]) -> None:
         """`on_exit(reason)` from a thread of its own once an engine process exits unasked
         (an engine client with engines it did not launch does not notice that itself)."""
-        sentinels = self._manager.sentinels() if self._manager is not None else []
+        sentinels = engine_sentinels(self._manager) if self._manager is not None else []
 
         def wait() -> None:
             from multiprocessing.connection import wait as wait_for

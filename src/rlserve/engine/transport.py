@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlserve.engine import vllm_compat
 from rlserve.engine.liveness import EngineMonitor
 from rlserve.engine.notices import NotificationHub, WorkerGone
 from rlserve.errors import (
@@ -143,9 +144,7 @@ class _Workers:
         self._llm, self._monitor, self.num_workers = llm, monitor, num_workers
 
     async def call(self, method: Callable[..., Any], *args: Any, field: str = "") -> list[Reply]:
-        per_engine = await self._monitor.guard(
-            self._llm.engine_core.call_utility_all_async("collective_rpc", method.__name__, None, args, None)
-        )
+        per_engine = await self._monitor.guard(vllm_compat.collective_rpc_everywhere(self._llm, method.__name__, args))
         replies = [Reply.from_dict(r) for workers in per_engine for r in workers]
         for reply in replies:
             raise_for(reply, field)
@@ -337,7 +336,7 @@ class VllmTransport(WeightTransport):
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         await self._blocking(
-            init.timeout_s, self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init.payload))
+            init.timeout_s, self._llm.init_weight_transfer_engine(WeightTransferInitRequest(dict(init.payload)))
         )
 
     async def start(self, is_draft: bool, timeout_s: float) -> None:

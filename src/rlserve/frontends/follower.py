@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from rlserve.errors import EngineUnavailable, InvalidRequest
 from rlserve.frontends import protocol as p
+from rlserve.lifecycle.lora_adapters import stamp_lora_version
 from rlserve.types import EngineLoad, GenerateChunk, GenerateParams, LoraAdapter
 
 if TYPE_CHECKING:
@@ -173,7 +174,7 @@ class FollowerLifecycle:
     async def _generate(self, params: GenerateParams) -> AsyncGenerator[GenerateChunk, None]:
         if params.lora_name and not self._engine.lora_enabled:
             raise InvalidRequest("lora_name", "LoRA adapters are not enabled on this server (--enable-lora)")
-        request = await self._engine.prepare(params)
+        request = await self._engine.validate(params)
         async with self._link.admission(params.request_id, request.num_bytes, params.lora_name) as admission:
             if admission.aborted:
                 for chunk in self._engine.aborted_before_start(request):
@@ -190,9 +191,7 @@ class FollowerLifecycle:
             admission.entered(stream.internal_id)
             async with contextlib.aclosing(stream.chunks()) as chunks:
                 async for chunk in chunks:
-                    if lora is not None and chunk.sequence.finish is not None:
-                        chunk = replace(chunk, sequence=replace(chunk.sequence, lora_version=lora.version))
-                    yield chunk
+                    yield chunk if lora is None else stamp_lora_version(chunk, lora)
 
     def _abort_from_leader(self, message: p.AbortRequests) -> None:
         task = asyncio.ensure_future(self._engine.abort(list(message.request_ids)))

@@ -145,16 +145,16 @@ class FrontendHub:
             request = follower.requests[message.seq] = _Request()
             request.task = asyncio.ensure_future(self._admit(follower, message, request))
         elif isinstance(message, p.Entered):
-            request = follower.requests.get(message.seq)
-            if request is not None and not request.entered.done():
-                request.entered.set_result(message.internal_id)
+            entering = follower.requests.get(message.seq)
+            if entering is not None and not entering.entered.done():
+                entering.entered.set_result(message.internal_id)
         elif isinstance(message, p.Ended):
             # Over, wherever it was: held, on its way in, or done in the engine.
-            request = follower.requests.pop(message.seq, None)
-            if request is not None and request.task is not None:
-                request.task.cancel()
+            ended = follower.requests.pop(message.seq, None)
+            if ended is not None and ended.task is not None:
+                ended.task.cancel()
         elif isinstance(message, p.ListLoras):
-            follower.send(p.Loras(message.seq, self._lifecycle.loras()))
+            follower.send(p.Loras(message.seq, self._lifecycle.loras.adapters()))
         elif isinstance(message, p.Observed):
             self._observe_rpc(message.method, message.code, message.seconds)
         elif isinstance(message, p.Record):

@@ -13,8 +13,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlserve.errors import (
     CapabilityMissing,
@@ -25,7 +24,8 @@ from rlserve.errors import (
     WrongState,
 )
 from rlserve.lifecycle.gate import Admission, GenerationGate, Ticket
-from rlserve.lifecycle.loras import LoraRegistry, adapter_digest, check_source
+from rlserve.lifecycle.lease import SessionLease
+from rlserve.lifecycle.lora_adapters import LoraAdapters, stamp_lora_version
 from rlserve.lifecycle.mutation import survives_caller_cancellation
 from rlserve.lifecycle.owner import Observer, StateOwner
 from rlserve.lifecycle.state import (
@@ -50,17 +50,14 @@ from rlserve.types import (
     SleepTag,
 )
 
-# A LoRA adapter's name, like a request id.
-MAX_LORA_NAME_BYTES = 256
-
 if TYPE_CHECKING:
-    from rlserve.engine.adapter import EngineAdapter
+    from rlserve.lifecycle.interfaces import ControlledEngine
 
 
 class LifecycleController:
     def __init__(
         self,
-        engine: EngineAdapter,
+        engine: ControlledEngine,
         *,
         initial_version: str,
         max_held_requests: int,
@@ -75,13 +72,10 @@ class LifecycleController:
         self._gate = GenerationGate(
             max_held=max_held_requests,
             max_held_bytes=max_held_bytes,
-            on_held=lambda n: self._owner.publish(num_held_requests=n),
+            on_held=lambda n: self._owner.publish(lambda s: s.holding(n)),
         )
         # The WAIT drain in progress, if any (phase PAUSING, mode WAIT), and whether the engine
         # still has to be paused once it is over (with this clear_cache) or paused itself.
-        self._loras = LoraRegistry(engine.max_loaded_loras)
-        self._loras.on_retired = self._retire_later
-        self._retiring: set[asyncio.Task[None]] = set()
         self._drain: asyncio.Future[None] | None = None
         self._drain_then_pause: bool | None = None
         self._abort_forwards: list[Callable[[list[str]], None]] = []
@@ -90,20 +84,21 @@ class LifecycleController:
         self._other_frontends: Callable[[], tuple[FrontendStatus, ...]] = tuple
         self._num_frontends = 1
         engine.monitor.on_dead(lambda reason: self._gate.fail_all(EngineUnavailable(reason)))
+        # The pause a trainer holds for an update is this controller's, and so is its lease.
+        self._lease = SessionLease(lease_s if lease_s is not None else transfer_timeout_s, self._lease_expired)
         self.weights = WeightUpdates(
             self._owner,
             engine,
             timeout_s=transfer_timeout_s,
-            lease_s=lease_s if lease_s is not None else transfer_timeout_s,
             max_info_bytes=max_transfer_info_bytes,
             allowed_hosts=transfer_allowed_hosts,
-            resume=self._resume_locked,
-            loras=self._loras,
+            lease=self._lease,
         )
+        self.loras = LoraAdapters(self._owner, engine, self.weights.transport, self._lease, transfer_timeout_s)
 
     @classmethod
-    async def create(cls, engine: EngineAdapter, **kwargs: object) -> LifecycleController:
-        return cls(engine, initial_version=await engine.weight_version(), **kwargs)  # type: ignore[arg-type]
+    async def create(cls, engine: ControlledEngine, **kwargs: Any) -> LifecycleController:
+        return cls(engine, initial_version=await engine.weight_version(), **kwargs)
 
     @property
     def state(self) -> LifecycleState:
@@ -121,15 +116,13 @@ class LifecycleController:
     async def _generate_with_lora(self, params: GenerateParams) -> AsyncGenerator[GenerateChunk, None]:
         if not self._engine.lora_enabled:
             raise InvalidRequest("lora_name", "LoRA adapters are not enabled on this server (--enable-lora)")
-        with self._loras.using(params.lora_name) as lora:
+        with self.loras.registry.using(params.lora_name) as lora:
             async with contextlib.aclosing(self._generate(params, lora)) as chunks:
                 async for chunk in chunks:
-                    if chunk.sequence.finish is not None:  # say which adapter version sampled it
-                        chunk = replace(chunk, sequence=replace(chunk.sequence, lora_version=lora.version))
-                    yield chunk
+                    yield stamp_lora_version(chunk, lora)
 
     async def _generate(self, params: GenerateParams, lora: LoraAdapter | None) -> AsyncGenerator[GenerateChunk, None]:
-        request = await self._engine.prepare(params, lora)
+        request = await self._engine.validate(params, lora)
         ticket = Ticket(params.request_id, request.num_bytes)
         self._num_requests += 1
         self._num_open_requests += 1
@@ -157,7 +150,7 @@ class LifecycleController:
         `entered`), its adapter kept loaded until the block ends. `Admission.lora` is None
         without one; `aborted` when it was aborted while held (it must not run). Raises what
         admitting a local request raises."""
-        with self._loras.using(lora_name) if lora_name else contextlib.nullcontext() as lora:
+        with self.loras.registry.using(lora_name) if lora_name else contextlib.nullcontext() as lora:
             ticket = Ticket(request_id, num_bytes)
             admission = Admission(ticket, lora, self._gate, aborted=not await self._gate.admit(ticket))
             try:
@@ -196,51 +189,9 @@ class LifecycleController:
         self._gate.abort_all()
         await self._engine.abort_all()
 
-    # LoRA adapters ---------------------------------------------------------------------
-
-    async def load_lora(self, name: str, source_path: str) -> LoraAdapter:
-        """Load an adapter from disk under `name` (see LoraRegistry for what a name means)."""
-        self._engine.require_lora()
-        path = check_source(name, source_path, MAX_LORA_NAME_BYTES)
-        await asyncio.to_thread(self._engine.check_lora, str(path))
-        digest = await asyncio.to_thread(adapter_digest, path)
-        async with self._owner.lock:
-            with self._owner.audited("load_lora", f"{name[:64]!r} from {source_path[:128]!r}") as outcome:
-                existing = self._loras.existing(name, source_path, digest)
-                if existing is not None:
-                    outcome.append("noop")
-                    return existing
-                adapter = self._loras.new(name, source_path, digest)
-                await self._engine.add_lora(adapter)
-                self._loras.add(adapter)
-                return adapter
-
-    async def unload_lora(self, name: str) -> LoraAdapter:
-        self._engine.require_lora()
-        async with self._owner.lock:
-            with self._owner.audited("unload_lora", f"{name[:64]!r}"):
-                adapter = self._loras.removable(name)
-                await self.weights.unload_adapter(adapter)
-                self._loras.remove(name)
-                return adapter
-
-    def _retire_later(self, adapter: LoraAdapter) -> None:
-        """An old version whose last request just ended: unload it (it was replaced)."""
-
-        async def retire() -> None:
-            async with self._owner.lock:
-                with self._owner.audited("retire_lora", f"{adapter.lora_name[:64]!r} id={adapter.lora_id}"):
-                    await self.weights.unload_adapter(adapter)
-
-        self._retiring.add(task := asyncio.ensure_future(retire()))
-        task.add_done_callback(self._retiring.discard)
-
-    def loras(self) -> tuple[LoraAdapter, ...]:
-        return self._loras.adapters()
-
     async def list_loras(self) -> tuple[LoraAdapter, ...]:
-        """`loras()` as the servicers ask for it (a following frontend process asks the leader)."""
-        return self.loras()
+        """As the servicers ask for it (a following frontend process asks the leader)."""
+        return self.loras.adapters()
 
     # Pause and resume -------------------------------------------------------------------
 
@@ -257,13 +208,13 @@ class LifecycleController:
             # pause still under way is waited for below, behind the lock it holds.)
             self._owner.check_alive()
             self._owner.record("pause", detail, "noop")
-            self.weights.cancel_lease()
+            self._lease.disarm()
             drain = None
         else:
             async with self._owner.lock:
                 with self._owner.audited("pause", detail) as outcome:
                     st = self._owner.state
-                    self.weights.cancel_lease()
+                    self._lease.disarm()
                     if st.is_paused and not is_stronger(mode, st):
                         outcome.append("noop")
                         drain = self._drain
@@ -277,7 +228,7 @@ class LifecycleController:
         """Under the lock. Returns the drain to wait for (WAIT), or None once paused."""
         was_keep = self._owner.state.pause_mode is PauseMode.KEEP
         self._gate.close()
-        self._owner.publish(pause_phase=PausePhase.PAUSING, pause_mode=mode)
+        self._owner.publish(lambda s: s.paused_as(PausePhase.PAUSING, mode))
         # A request admitted before the gate closed reaches the engine before the pause does.
         await self._gate.wait_entered()
         if mode is PauseMode.WAIT and was_keep:
@@ -296,7 +247,7 @@ class LifecycleController:
             return self._drain
         await self._engine.pause(mode, clear_cache)
         self._drain = None
-        self._owner.publish(pause_phase=PausePhase.PAUSED)
+        self._owner.publish(LifecycleState.paused_fully)
         return None
 
     async def _finish_drain(self, drain: asyncio.Future[None]) -> None:
@@ -311,7 +262,7 @@ class LifecycleController:
                         if not drain.cancelled() and drain.exception() is None:
                             if self._drain_then_pause is not None:
                                 await self._engine.pause(PauseMode.WAIT, self._drain_then_pause)
-                            self._owner.publish(pause_phase=PausePhase.PAUSED)
+                            self._owner.publish(LifecycleState.paused_fully)
 
     @survives_caller_cancellation
     async def resume(self) -> None:
@@ -321,7 +272,7 @@ class LifecycleController:
             with self._owner.audited("resume", "") as outcome:
                 st = self._owner.state
                 check_can_resume(st, is_draining=self._drain is not None)
-                self.weights.cancel_lease()
+                self._lease.disarm()
                 if not st.is_paused:
                     outcome.append("noop")
                     return
@@ -329,8 +280,25 @@ class LifecycleController:
 
     async def _resume_locked(self) -> None:
         await self._engine.resume()
-        self._owner.publish(pause_phase=PausePhase.RUNNING, pause_mode=None)
+        self._owner.publish(LifecycleState.running)
         self._gate.open()
+
+    async def _lease_expired(self, session_id: str | None, token: int) -> None:
+        """No update call within the lease: the trainer is gone. Abort its session and, when
+        the old weights are intact, let generation go on."""
+        async with self._owner.lock:
+            session = self._owner.state.update_session
+            current = session.session_id if session is not None else None
+            if not self._lease.is_current(token) or current != session_id:
+                return
+            what = f"session={session_id}" if session_id else "after a failed update"
+            with self._owner.audited("session_lease_expired", f"{what} lease_s={self._lease.lease_s:g}"):
+                if session is not None:
+                    await self.weights.drop_session("an in-place update's session lease expired")
+                st = self._owner.state
+                if st.weights_consistent and not st.asleep and st.pause_phase is PausePhase.PAUSED:
+                    await self._resume_locked()
+                    self._owner.record("resume", "the update's lease expired", "ok")
 
     # Sleep and wake ---------------------------------------------------------------------
 
@@ -340,7 +308,7 @@ class LifecycleController:
         async with self._owner.lock:
             with self._owner.audited("sleep", f"level={level} mode={mode.name}") as outcome:
                 self._require_sleep_mode()
-                self.weights.cancel_lease()
+                self._lease.disarm()
                 check_sleep_request(level, mode)
                 st = self._owner.state
                 if st.update_session is not None:
@@ -351,15 +319,10 @@ class LifecycleController:
                     outcome.append("noop")
                     return
                 self._gate.close()
-                self._owner.publish(pause_phase=PausePhase.PAUSING, pause_mode=mode)
+                self._owner.publish(lambda s: s.paused_as(PausePhase.PAUSING, mode))
                 await self._gate.wait_entered()
                 await self._engine.sleep(level, mode)
-                changes: dict[str, object] = {"pause_phase": PausePhase.PAUSED}
-                if level >= 1:
-                    changes.update(asleep=MEMORY_TAGS, sleep_level=level)
-                if level == 2:
-                    changes.update(weights_consistent=False, inconsistency_reason="a level-2 sleep discarded them")
-                self._owner.publish(**changes)
+                self._owner.publish(lambda s: s.slept(level))
 
     @survives_caller_cancellation
     async def wake_up(self, tags: frozenset[SleepTag]) -> None:
@@ -377,9 +340,9 @@ class LifecycleController:
                 names = None if wanted >= MEMORY_TAGS else [t.value for t in wanted if t is not SleepTag.SCHEDULING]
                 fully_awake = await self._engine.wake_up(names)
                 asleep = frozenset() if fully_awake else st.asleep - wanted
-                self._owner.publish(asleep=asleep, sleep_level=st.sleep_level if asleep else 0)
+                self._owner.publish(lambda s: s.sleeping(asleep, st.sleep_level if asleep else 0))
                 if fully_awake and self._owner.state.weights_consistent:
-                    self._owner.publish(pause_phase=PausePhase.RUNNING, pause_mode=None)
+                    self._owner.publish(LifecycleState.running)
                     self._gate.open()
                 elif fully_awake:
                     # vLLM resumed its scheduler; keep it paused until new weights are loaded.
@@ -409,7 +372,7 @@ class LifecycleController:
                     outcome.append("noop")
                     return previous
                 await self._engine.set_weight_version(version)
-                self._owner.publish(weight_version=version)
+                self._owner.publish(lambda s: s.versioned(version))
                 return previous
 
     # Observation ------------------------------------------------------------------------

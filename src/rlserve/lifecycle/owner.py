@@ -10,6 +10,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
 from typing import Protocol
 
 from rlserve.caller import CURRENT
@@ -52,12 +53,15 @@ class StateOwner:
         self._observers.append(observer)
         observer.published(self._state, self._state)
 
-    def publish(self, **changes: object) -> LifecycleState:
-        before, self._state = self._state, self._state.evolve(**changes)
+    def publish(self, edit: Callable[[LifecycleState], LifecycleState]) -> None:
+        """Apply `edit` (a `LifecycleState` transition, or several chained) to the current
+        state, as one change with the next revision: built from the state as it is now, so
+        an edit computed before an await cannot undo a change made meanwhile."""
+        before = self._state
+        self._state = replace(edit(before), revision=before.revision + 1)
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
         self._tell(lambda o: o.published(before, self._state))
-        return self._state
 
     async def next_change(self) -> LifecycleState:
         await self._changed.wait()

@@ -20,7 +20,7 @@ from rlserve.errors import (
     WeightsInconsistent,
     WrongState,
 )
-from rlserve.types import EngineStatus, FrontendStatus, PauseMode, PausePhase, RlCapabilities, SleepTag
+from rlserve.types import MEMORY_TAGS, EngineStatus, FrontendStatus, PauseMode, PausePhase, RlCapabilities, SleepTag
 
 DEFAULT_WEIGHT_VERSION = "default"
 # A label, not a payload: it travels on every output's version spans and in the audit ring.
@@ -67,8 +67,53 @@ class LifecycleState:
         """True only while memory is released; a merely paused engine is not sleeping."""
         return bool(self.asleep)
 
-    def evolve(self, **changes: object) -> LifecycleState:
-        return replace(self, revision=self.revision + 1, **changes)
+    # Transitions: each returns the edited state (the owner publishes it with the next
+    # revision); chained where one mutation changes several things at once.
+
+    def paused_as(self, phase: PausePhase, mode: PauseMode | None) -> LifecycleState:
+        return replace(self, pause_phase=phase, pause_mode=mode)
+
+    def paused_fully(self) -> LifecycleState:
+        """PAUSING -> PAUSED, the mode kept."""
+        return replace(self, pause_phase=PausePhase.PAUSED)
+
+    def running(self) -> LifecycleState:
+        return replace(self, pause_phase=PausePhase.RUNNING, pause_mode=None)
+
+    def sleeping(self, asleep: frozenset[SleepTag], level: int) -> LifecycleState:
+        return replace(self, asleep=asleep, sleep_level=level)
+
+    def slept(self, level: int) -> LifecycleState:
+        """After an engine sleep of `level` (0: scheduling only; 2 also discards the weights)."""
+        state = self.paused_fully()
+        if level >= 1:
+            state = state.sleeping(MEMORY_TAGS, level)
+        return state.mark_inconsistent("a level-2 sleep discarded them") if level == 2 else state
+
+    def holding(self, num_held_requests: int) -> LifecycleState:
+        return replace(self, num_held_requests=num_held_requests)
+
+    def transport(self, *, ready: bool | None = None, initializing: bool | None = None) -> LifecycleState:
+        """None keeps what is."""
+        return replace(
+            self,
+            transport_ready=self.transport_ready if ready is None else ready,
+            transport_initializing=self.transport_initializing if initializing is None else initializing,
+        )
+
+    def in_session(self, session: UpdateSession | None) -> LifecycleState:
+        return replace(self, update_session=session)
+
+    def mark_inconsistent(self, reason: str) -> LifecycleState:
+        """The served weights are no complete set (`reason` says why); generation stays
+        paused until a full update commits."""
+        return replace(self, weights_consistent=False, inconsistency_reason=reason)
+
+    def consistent(self) -> LifecycleState:
+        return replace(self, weights_consistent=True, inconsistency_reason="")
+
+    def versioned(self, weight_version: str) -> LifecycleState:
+        return replace(self, weight_version=weight_version)
 
 
 @dataclass(frozen=True)

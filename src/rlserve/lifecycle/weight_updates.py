@@ -1,43 +1,36 @@
-"""Weight-update transitions: transport init, session start, chunks, commit, abort, and the
-idle lease that ends a session whose trainer went away. Changes the state only through the
+"""Weight-update transitions: transport init, session start, chunks, prepare, commit, abort;
+each re-arms the pause's idle lease (the controller's, `lifecycle.lease`). Changes the state only through the
 `StateOwner` it shares with the lifecycle controller; talks to the backend only through the
 engine's typed `WeightTransport`, so it knows no backend's wire format. No grpc.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import shutil
-import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rlserve.caller import CURRENT
 from rlserve.config import chunk_deadline_s
 from rlserve.errors import CapabilityMissing, CommitFailed, PrepareFailed, StaleBase, TransferTimeout, WrongState
-from rlserve.lifecycle.loras import LoraRegistry, adapter_digest
+from rlserve.lifecycle.lease import SessionLease
 from rlserve.lifecycle.mutation import survives_caller_cancellation
 from rlserve.lifecycle.owner import StateOwner
 from rlserve.lifecycle.rendezvous import check_trainer_host
 from rlserve.lifecycle.state import (
     UpdateSession,
     check_can_init_transport,
-    check_can_open_session,
     check_can_start_update,
     check_weight_version,
     require_session,
 )
 from rlserve.payloads import parse_json
-from rlserve.types import LoraAdapter, PausePhase
 
 if TYPE_CHECKING:
-    from rlserve.engine.adapter import EngineAdapter
     from rlserve.engine.transport import WeightTransport
+    from rlserve.lifecycle.interfaces import ControlledEngine
     from rlserve.types import ServedChecksums
 
 
@@ -45,29 +38,20 @@ class WeightUpdates:
     def __init__(
         self,
         owner: StateOwner,
-        engine: EngineAdapter,
+        engine: ControlledEngine,
         *,
         timeout_s: float,
-        lease_s: float,
         max_info_bytes: int,
         allowed_hosts: tuple[str, ...] = (),
-        resume: Callable[[], Awaitable[None]],
-        loras: LoraRegistry,
+        lease: SessionLease,
     ) -> None:
+        """`lease`: the pause's idle lease, the controller's; every update call re-arms it."""
         self._owner = owner
         self._engine = engine
         self._timeout_s = timeout_s
         self._info_limit = ("max_transfer_info_bytes", max_info_bytes)
         self._allowed_hosts = allowed_hosts
-        self._lease_s = lease_s
-        # Resumes generation; called with the lock held, when a lease ends a session.
-        self._resume = resume
-        self._loras = loras
-        # The open LoRA session's version label, adapter config and whether it is a new version.
-        self._lora_session: tuple[str, dict[str, Any], bool] = ("", {}, False)
-        self._lease: asyncio.TimerHandle | None = None
-        self._lease_token = 0
-        self._expiry: asyncio.Task[None] | None = None
+        self._lease = lease
 
     async def init(self, init_info_json: bytes) -> None:
         """Set up (or replace) the transport with the trainer. Capped by the server's
@@ -75,7 +59,7 @@ class WeightUpdates:
         trainer connects, so generation and every other call go on meanwhile. On failure the
         previous transport (if any) stays as it was. Raises CapabilityMissing, InvalidRequest,
         UpdateInProgress, TransferTimeout."""
-        transport = self._transport()
+        transport = self.transport()
         try:
             raw = parse_json(init_info_json, "init_info_json", self._info_limit)
             init = transport.parse_init(raw, self._timeout_s)
@@ -87,17 +71,14 @@ class WeightUpdates:
         with self._owner.audited("init_weight_transfer", f"{init.detail} timeout_s={init.timeout_s:g}"):
             async with self._owner.lock:
                 check_can_init_transport(self._owner.state)
-                self._disarm_lease()  # the trainer came back
-                self._owner.publish(transport_initializing=True)
+                self._lease.disarm()  # the trainer came back
+                self._owner.publish(lambda s: s.transport(initializing=True))
             ready = False
             try:
                 await transport.init(init)
                 ready = True
             finally:
-                changes: dict[str, Any] = {"transport_initializing": False}
-                if ready:
-                    changes["transport_ready"] = True
-                self._owner.publish(**changes)
+                self._owner.publish(lambda s: s.transport(ready=True if ready else None, initializing=False))
 
     @survives_caller_cancellation
     async def start(self, is_draft: bool = False) -> UpdateSession:
@@ -105,17 +86,19 @@ class WeightUpdates:
         TransportNotReady / NotPaused / MemoryAsleep (FAILED_PRECONDITION)."""
         async with self._owner.lock:
             with self._owner.audited("start_weight_update", f"draft={is_draft}"):
-                transport = self._transport()
+                transport = self.transport()
                 if is_draft and not self._engine.capabilities().draft_weight_updates_enabled:
                     raise CapabilityMissing("this engine has no draft model whose weights could be updated")
                 check_can_start_update(self._owner.state)
                 await transport.start(is_draft, self._timeout_s)
                 session = UpdateSession(uuid.uuid4().hex, is_draft, time.time())
-                changes: dict[str, Any] = {"update_session": session}
-                if not transport.stages_updates:
-                    changes.update(weights_consistent=False, inconsistency_reason="an in-place weight update is open")
-                self._owner.publish(**changes)
-                self._arm_lease(session.session_id)
+                if transport.stages_updates:
+                    self._owner.publish(lambda s: s.in_session(session))
+                else:
+                    self._owner.publish(
+                        lambda s: s.in_session(session).mark_inconsistent("an in-place weight update is open")
+                    )
+                self._lease.arm(session.session_id)
                 return session
 
     @survives_caller_cancellation
@@ -132,8 +115,8 @@ class WeightUpdates:
                         f"weight update {session.session_id} is prepared for its commit: "
                         "FinishWeightUpdate or AbortWeightUpdate"
                     )
-                transport = self._transport()
-                self._disarm_lease()
+                transport = self.transport()
+                self._lease.disarm()
                 try:
                     raw = parse_json(update_info_json, "update_info_json", self._info_limit)
                     chunk = transport.parse_chunk(raw)
@@ -146,22 +129,21 @@ class WeightUpdates:
                     timeout_s = chunk_deadline_s(self._timeout_s, chunk.num_bytes)
                     await transport.update(chunk, timeout_s)
                 except BaseException as e:
-                    await self._drop_session("an update chunk failed")
+                    await self.drop_session("an update chunk failed")
                     if isinstance(e, TransferTimeout):
-                        self._owner.publish(transport_ready=False)
+                        self._owner.publish(lambda s: s.transport(ready=False))
                     # The trainer has a lease to come back (start again, or resume); if it
                     # does not, generation resumes on the old weights.
-                    self._arm_lease(None)
+                    self._lease.arm(None)
                     raise
-                self._owner.publish(
-                    update_session=replace(
-                        session,
-                        num_chunks=session.num_chunks + 1,
-                        num_tensors=session.num_tensors + chunk.num_tensors,
-                        num_bytes=session.num_bytes + chunk.num_bytes,
-                    )
+                received = replace(
+                    session,
+                    num_chunks=session.num_chunks + 1,
+                    num_tensors=session.num_tensors + chunk.num_tensors,
+                    num_bytes=session.num_bytes + chunk.num_bytes,
                 )
-                self._arm_lease(session.session_id)
+                self._owner.publish(lambda s: s.in_session(received))
+                self._lease.arm(session.session_id)
 
     @survives_caller_cancellation
     async def prepare(self) -> UpdateSession:
@@ -172,19 +154,19 @@ class WeightUpdates:
         async with self._owner.lock:
             with self._owner.audited("prepare_weight_update", ""):
                 session = require_session(self._owner.state, "PrepareWeightUpdate", lora=False)
-                transport = self._transport()
-                self._disarm_lease()
+                transport = self.transport()
+                self._lease.disarm()
                 try:
                     await transport.prepare(self._timeout_s)
                 except BaseException as e:
-                    await self._drop_session("an in-place update failed to prepare its commit")
-                    self._arm_lease(None)
+                    await self.drop_session("an in-place update failed to prepare its commit")
+                    self._lease.arm(None)
                     if isinstance(e, CommitFailed):
                         raise PrepareFailed(f"preparing the commit failed, the update was dropped: {e}") from e
                     raise
                 session = replace(session, prepared=True)
-                self._owner.publish(update_session=session)
-                self._arm_lease(session.session_id)
+                self._owner.publish(lambda s: s.in_session(session))
+                self._lease.arm(session.session_id)
                 return session
 
     @survives_caller_cancellation
@@ -198,79 +180,22 @@ class WeightUpdates:
                 require_session(self._owner.state, "FinishWeightUpdate", lora=False)
                 if version is not None:
                     check_weight_version(version)
-                transport = self._transport()
-                self._disarm_lease()
+                transport = self.transport()
+                self._lease.disarm()
                 try:
                     await transport.finish(self._timeout_s)
                 except BaseException as e:
                     reason = f"the commit failed half way ({type(e).__name__})"
-                    self._owner.publish(update_session=None, weights_consistent=False, inconsistency_reason=reason)
+                    self._owner.publish(lambda s: s.in_session(None).mark_inconsistent(reason))
                     if isinstance(e, Exception) and not isinstance(e, CommitFailed):
                         raise CommitFailed(f"{reason}: {e}") from e
                     raise
                 await self._engine.reset_prefix_cache()
-                changes: dict[str, Any] = {
-                    "update_session": None,
-                    "weights_consistent": True,
-                    "inconsistency_reason": "",
-                }
                 if version is not None and version != self._owner.state.weight_version:
                     await self._engine.set_weight_version(version)
-                    changes["weight_version"] = version
-                self._owner.publish(**changes)
-
-    # LoRA adapters pushed by the trainer ---------------------------------------------------
-
-    @survives_caller_cancellation
-    async def start_lora(self, name: str, version: str, adapter_config: Mapping[str, Any], new_version: bool) -> None:
-        """Open a session whose chunks make adapter `name` (generation goes on meanwhile: the
-        adapter is swapped in at finish). A loaded name needs `new_version`. Raises CapabilityMissing, NameTaken (ABORTED), UpdateInProgress, TransportNotReady."""
-        async with self._owner.lock:
-            with self._owner.audited("start_lora_update", f"{name[:64]!r} version={version[:64]!r}"):
-                self._engine.require_lora()
-                transport = self._transport()
-                check_can_open_session(self._owner.state)
-                self._loras.check_new_version(name, new_version)
-                await transport.start_lora(self._timeout_s)
-                session = UpdateSession(uuid.uuid4().hex, False, time.time(), lora_name=name)
-                self._lora_session = (version, dict(adapter_config), new_version)
-                self._owner.publish(update_session=session)
-                self._arm_lease(session.session_id)
-
-    @survives_caller_cancellation
-    async def finish_lora(self) -> LoraAdapter:
-        """The pushed adapter, checked whole and written out by the workers, is loaded and
-        serves every request admitted from now on; requests already running keep the
-        version they started with, and the old version is unloaded after the last of them.
-        A failure leaves the old version serving. Raises NoUpdateSession, InvalidRequest."""
-        async with self._owner.lock:
-            with self._owner.audited("finish_lora_update", ""):
-                session = require_session(self._owner.state, "FinishLoraUpdate", lora=True)
-                version, adapter_config, new_version = self._lora_session
-                transport = self._transport()
-                self._disarm_lease()
-                directory = tempfile.mkdtemp(prefix=f"rlserve-lora-{session.session_id[:8]}-")
-                try:
-                    self._loras.check_new_version(session.lora_name, new_version)
-                    path = await transport.write_lora(directory, adapter_config, self._timeout_s)
-                    digest = await asyncio.to_thread(adapter_digest, Path(path))
-                    adapter = self._loras.new(session.lora_name, path, digest, version, directory)
-                    await self._engine.add_lora(adapter)
-                except BaseException:
-                    shutil.rmtree(directory, ignore_errors=True)
-                    self._owner.publish(update_session=None)
-                    raise
-                old = self._loras.add(adapter)
-                self._owner.publish(update_session=None)
-                if old is not None:
-                    await self.unload_adapter(old)
-                return adapter
-
-    async def unload_adapter(self, adapter: LoraAdapter) -> None:
-        """Under the lock: out of the engine, and its directory if rlserve wrote it."""
-        await self._engine.remove_lora(adapter)
-        if adapter.owned_dir:
-            shutil.rmtree(adapter.owned_dir, ignore_errors=True)
+                    self._owner.publish(lambda s: s.in_session(None).consistent().versioned(version))
+                else:
+                    self._owner.publish(lambda s: s.in_session(None).consistent())
 
     @survives_caller_cancellation
     async def abort(self) -> None:
@@ -281,74 +206,34 @@ class WeightUpdates:
                 if self._owner.state.update_session is None:
                     outcome.append("noop")
                     return
-                await self._drop_session("an in-place update was aborted half way")
+                await self.drop_session("an in-place update was aborted half way")
 
     async def checksums(self) -> ServedChecksums:
         """Digests of the served weights (checkpoint names), read back from the model, the
         same on every data-parallel engine or the call fails: a mismatch is an engine bug
         worth a loud error."""
-        per_worker = await self._transport().checksums()
+        per_worker = await self.transport().checksums()
         if any(dict(w.per_tensor) != dict(per_worker[0].per_tensor) for w in per_worker):
             raise RuntimeError("data-parallel engines serve different weights")
         return per_worker[0]
 
     # Helpers (under the lock) -----------------------------------------------------------
 
-    async def _drop_session(self, inplace_reason: str) -> None:
-        transport = self._transport()
-        self._disarm_lease()
+    async def drop_session(self, inplace_reason: str) -> None:
+        """Under the lock: end the open session (the transport aborts it)."""
+        transport = self.transport()
+        self._lease.disarm()
         with contextlib.suppress(Exception):
             await transport.abort(self._timeout_s)
-        changes: dict[str, Any] = {"update_session": None}
-        if not transport.stages_updates:
-            changes.update(weights_consistent=False, inconsistency_reason=inplace_reason)
-        self._owner.publish(**changes)
+        if transport.stages_updates:
+            self._owner.publish(lambda s: s.in_session(None))
+        else:
+            self._owner.publish(lambda s: s.in_session(None).mark_inconsistent(inplace_reason))
 
-    def _transport(self) -> WeightTransport:
+    def transport(self) -> WeightTransport:
         transport = self._engine.transport
         if transport is None:
             raise CapabilityMissing(
                 "weight transfer is not configured; start the server with --weight-transfer-backend"
             )
         return transport
-
-    # The session lease ------------------------------------------------------------------
-
-    def cancel_lease(self) -> None:
-        """Someone decided about the pause (paused, resumed, started an update): no lease
-        resumes generation behind their back."""
-        self._disarm_lease()
-
-    def _arm_lease(self, session_id: str | None) -> None:
-        """With a session: the session's lease. Without: the lease of the pause a failed
-        update left behind."""
-        self._disarm_lease()
-        loop = asyncio.get_running_loop()
-        self._lease = loop.call_later(self._lease_s, self._lease_ended, session_id, self._lease_token)
-
-    def _disarm_lease(self) -> None:
-        # A lease that already fired and waits for the lock is stale from now on.
-        self._lease_token += 1
-        if self._lease is not None:
-            self._lease.cancel()
-            self._lease = None
-
-    def _lease_ended(self, session_id: str | None, token: int) -> None:
-        self._expiry = asyncio.ensure_future(self._expire(session_id, token))
-
-    async def _expire(self, session_id: str | None, token: int) -> None:
-        """No call within the lease: the trainer is gone. Abort its session and, when the old
-        weights are intact, let generation go on."""
-        async with self._owner.lock:
-            session = self._owner.state.update_session
-            current = session.session_id if session is not None else None
-            if token != self._lease_token or current != session_id:
-                return
-            what = f"session={session_id}" if session_id else "after a failed update"
-            with self._owner.audited("session_lease_expired", f"{what} lease_s={self._lease_s:g}"):
-                if session is not None:
-                    await self._drop_session("an in-place update's session lease expired")
-                st = self._owner.state
-                if st.weights_consistent and not st.asleep and st.pause_phase is PausePhase.PAUSED:
-                    await self._resume()
-                    self._owner.record("resume", "the update's lease expired", "ok")

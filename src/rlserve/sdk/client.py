@@ -11,7 +11,7 @@ import collections
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -19,6 +19,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rlserve.api.vllm import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 Prompt = str | Sequence[int] | inference_pb2.GenerateRequest
+
+
+class ResponseStream(Iterator[inference_pb2.GenerateResponse], Protocol):
+    """GenerateStream's responses as gRPC's call object yields them; `cancel()` ends the
+    call (and so the request) when the reader leaves early, a no-op once it has ended."""
+
+    def cancel(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -214,9 +221,7 @@ class Client:
     def generate(self, prompt: Prompt, *, timeout_s: float | None = None, **kw: Any) -> inference_pb2.GenerateResponse:
         return self.inference.Generate(generate_request(prompt, **kw), timeout=timeout_s)
 
-    def stream(
-        self, prompt: Prompt, *, timeout_s: float | None = None, **kw: Any
-    ) -> Iterator[inference_pb2.GenerateResponse]:
+    def stream(self, prompt: Prompt, *, timeout_s: float | None = None, **kw: Any) -> ResponseStream:
         return self.inference.GenerateStream(generate_request(prompt, **kw), timeout=timeout_s)
 
     def abort(self, *request_ids: str) -> None:

@@ -111,8 +111,24 @@ class SyncProtocol:
     def run(self, sync: SyncRequest) -> SyncReport:
         """Raises Abandoned before the vote; after it, returns the report (failures in it)."""
         members = list(sync.members)
-        num_bytes = sum(c.num_bytes for c in sync.chunks)
         t_pause = time.perf_counter()
+        transfer_s, prepare_s = self._up_to_the_vote(sync, members)
+        report = self._commit(sync, members, transfer_s, prepare_s)
+        if sync.verify and sync.verify_while_paused:
+            self._verify(members, report)
+        to_resume = [m for m in members if report.outcomes[m.name] == COMMITTED and m.name not in sync.found_paused]
+        report.resumed = each_outcome(to_resume, self._call("ResumeGeneration", cpb.ResumeGenerationRequest()))
+        report.pause_to_resume_s = time.perf_counter() - t_pause
+        if sync.verify and not sync.verify_while_paused:
+            self._verify(members, report)
+        report.committed = [m for m in members if report.outcomes[m.name] == COMMITTED]
+        report.failed = [m for m in members if report.outcomes[m.name] != COMMITTED]
+        return report
+
+    def _up_to_the_vote(self, sync: SyncRequest, members: list[Member]) -> tuple[float, float]:
+        """Pause, start, chunks, prepare and the vote; any failure abandons the sync (Abandoned).
+        Returns the seconds of the transfer and of the prepare."""
+        num_bytes = sum(c.num_bytes for c in sync.chunks)
         pause = cpb.PauseGenerationRequest(mode=PAUSE_MODES[sync.pause_mode])
         replies = each(members, lambda m: m.client.control.PauseGeneration.future(pause, timeout=self._pause_timeout_s))
         paused = [m for m in members if not isinstance(replies[m.name], BaseException)]
@@ -140,8 +156,11 @@ class SyncProtocol:
             raise self.abandon(members, ours, e) from e
         except Exception as e:  # the trainer's side (a tensor that cannot be copied, say)
             raise self.abandon(members, ours, Failed("transfer", {"trainer": Outcome.of(e)})) from e
-        prepare_s = time.perf_counter() - t0 - transfer_s
-        # The vote is in: from here on a member that fails is reported, the others commit.
+        return transfer_s, time.perf_counter() - t0 - transfer_s
+
+    def _commit(self, sync: SyncRequest, members: list[Member], transfer_s: float, prepare_s: float) -> SyncReport:
+        """The vote is in: from here on a member that fails is reported, the others commit."""
+        num_bytes = sum(c.num_bytes for c in sync.chunks)
         t_commit = time.perf_counter()
         finish = cpb.FinishWeightUpdateRequest(weight_version=sync.version)
         finished = each_outcome(
@@ -160,15 +179,6 @@ class SyncProtocol:
             commit_s=commit_s,
             pause_to_resume_s=0.0,
         )
-        if sync.verify and sync.verify_while_paused:
-            self._verify(members, report)
-        to_resume = [m for m in members if report.outcomes[m.name] == COMMITTED and m.name not in sync.found_paused]
-        report.resumed = each_outcome(to_resume, self._call("ResumeGeneration", cpb.ResumeGenerationRequest()))
-        report.pause_to_resume_s = time.perf_counter() - t_pause
-        if sync.verify and not sync.verify_while_paused:
-            self._verify(members, report)
-        report.committed = [m for m in members if report.outcomes[m.name] == COMMITTED]
-        report.failed = [m for m in members if report.outcomes[m.name] != COMMITTED]
         return report
 
     def abandon(self, members: Sequence[Member], ours: Sequence[Member], failure: Failed) -> Abandoned:

@@ -30,7 +30,7 @@ from rlserve.sdk.client import Client
 from rlserve.sdk.fanout import Failed, Member, Outcome, step_timeout_s
 from rlserve.sdk.group import RendezvousFailed, TransferGroup
 from rlserve.sdk.plan import DEFAULT_CHUNK_BYTES, NamedTensors, check_sizes, plan_patch, plan_sync
-from rlserve.sdk.protocol import Abandoned, SyncProtocol, SyncRequest
+from rlserve.sdk.protocol import Abandoned, SyncProtocol, SyncReport, SyncRequest
 from rlserve.sdk.senders import SENDERS, NoBar
 from rlserve.types import PauseMode
 from rlserve.wire import patch as _patch
@@ -198,18 +198,7 @@ class WeightSync:
             # A copy: the caller's tensors (the model's own, on the CPU) change in place.
             kept = self._last_sent or {}
             self._last_sent = {**kept, **{n: t.clone() for n, t in dense.items()}}
-        return SyncStats(
-            weight_version=version,
-            num_tensors=len(report.sent),
-            num_bytes=sum(c.num_bytes for c in chunks),
-            num_chunks=len(chunks),
-            transfer_s=report.transfer_s,
-            pause_to_resume_s=report.pause_to_resume_s,
-            commit_s=report.commit_s,
-            prepare_s=report.prepare_s,
-            checksum=report.served[name].overall if verify else combined_checksum(report.sent),
-            resumed=resume,
-        )
+        return _stats(report, version, chunks, report.served[name].overall if verify else None, resume)
 
     def sync_lora(
         self,
@@ -341,3 +330,19 @@ def _progress_bar(total_bytes: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="weight sync")
+
+
+def _stats(report: SyncReport, version: str, chunks: list[ChunkInfo], served: str | None, resumed: bool) -> SyncStats:
+    """`served`: the server's digest when verified (None: the digest of what was sent)."""
+    return SyncStats(
+        weight_version=version,
+        num_tensors=len(report.sent),
+        num_bytes=sum(c.num_bytes for c in chunks),
+        num_chunks=len(chunks),
+        transfer_s=report.transfer_s,
+        pause_to_resume_s=report.pause_to_resume_s,
+        commit_s=report.commit_s,
+        prepare_s=report.prepare_s,
+        checksum=served if served is not None else combined_checksum(report.sent),
+        resumed=resumed,
+    )

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,13 +31,14 @@ from rlserve.frontends.follower import FollowerLifecycle, LeaderLink
 from rlserve.lifecycle.controller import LifecycleController
 from rlserve.lifecycle.state import LifecycleState
 from rlserve.model_cache import default_model_dir
+from rlserve.parent import parent_exited
 from rlserve.server import listeners
-from rlserve.server.backend import EngineSlot
 from rlserve.server.control import ControlServicer
 from rlserve.server.frontends import PROCESS_TITLE, Frontends
 from rlserve.server.inference import InferenceServicer
 from rlserve.server.lifecycle import LifecycleServicer
 from rlserve.server.metrics import Metrics, MetricsEndpoint
+from rlserve.server.slot import EngineSlot
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +142,7 @@ class RlserveServer:
         leader's credentials (and every reload of them)."""
         self._owns_engine = True
         self._observe_rpc = link.observe_rpc
-        self.slot.set(engine, FollowerLifecycle(engine, link))
+        self.slot.set_follower(engine, FollowerLifecycle(engine, link))
         engine.monitor.on_dead(self._engine_died)
         engine.monitor.start()
         await self._set_health(SERVING)
@@ -210,7 +212,7 @@ class RlserveServer:
             asyncio.ensure_future(self._set_health(NOT_SERVING))
 
     def _record_refusal(self, operation: str, detail: str, outcome: str) -> None:
-        lifecycle = self.slot.lifecycle_or_none
+        lifecycle = self.slot.serving_or_none
         if lifecycle is not None:
             lifecycle.record(operation, detail, outcome)
 
@@ -233,7 +235,7 @@ class RlserveServer:
         stopping = [asyncio.ensure_future(listening.server.stop(grace)) for listening in self._listenings]
         if self._frontends is not None:  # the other frontends drain alongside, for as long
             stopping.append(asyncio.ensure_future(self._frontends.stop(grace)))
-        lifecycle = self.slot.lifecycle_or_none
+        lifecycle = self.slot.serving_or_none
         if lifecycle is not None and grace > 0:
             # Shortly before the grace ends, what still runs or is held ends ABORTED: a terminal
             # message for every request rather than a cancelled call.
@@ -274,10 +276,7 @@ async def serve(config: ServeConfig) -> None:
     server = RlserveServer(config)
     await server.start()
     stop = server.shutdown_requested
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, server.reload_credentials)
+    _stop_on_signals(stop, on_hangup=server.reload_credentials)
     orphan_watch = asyncio.create_task(set_when_orphaned(stop)) if config.exit_with_parent else None
     engine_task = asyncio.create_task(server.start_engine())
     stop_task = asyncio.create_task(stop.wait())
@@ -297,12 +296,18 @@ async def serve(config: ServeConfig) -> None:
         await server.stop()
 
 
-async def set_when_orphaned(stop: asyncio.Event, every_s: float = 0.5) -> None:
-    """Set `stop` once the process that started this one has exited (this process is then
-    re-parented, so its parent id changes)."""
+def _stop_on_signals(stop: asyncio.Event, on_hangup: Callable[[], None]) -> None:
+    """SIGINT and SIGTERM set `stop` (a graceful shutdown); SIGHUP calls `on_hangup`."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, on_hangup)
+
+
+async def set_when_orphaned(stop: asyncio.Event) -> None:
+    """Set `stop` once the process that started this one has exited."""
     parent = os.getppid()
-    while os.getppid() == parent:
-        await asyncio.sleep(every_s)
+    await parent_exited(parent)
     logger.warning("the process that started this server (pid %d) exited: shutting down", parent)
     stop.set()
 
@@ -327,11 +332,8 @@ def run_follower(config: ServeConfig, client: FrontendClient, leader_path: str, 
 
 async def _follow(config: ServeConfig, client: FrontendClient, leader_path: str, instance_id: str, index: int) -> None:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     # Tokens come from frontend 0, reloads too: a SIGHUP to the group changes nothing here.
-    loop.add_signal_handler(signal.SIGHUP, lambda: None)
+    _stop_on_signals(stop, on_hangup=lambda: None)
     orphan_watch = asyncio.ensure_future(set_when_orphaned(stop))
     link = await LeaderLink.connect(leader_path, index)
     leader_watch = asyncio.ensure_future(_set_when_lost(link, stop))

@@ -4,17 +4,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeAlias
 
 import grpc
 
 from rlserve.api.vllm import control_pb2 as pb
 from rlserve.api.vllm import control_pb2_grpc
 from rlserve.config import RequestLimits
-from rlserve.server import convert
-from rlserve.server.backend import EngineSlot
+from rlserve.server import convert, convert_lifecycle
 from rlserve.server.errors import translate_errors
+from rlserve.server.slot import EngineSlot
 
-Ctx = grpc.aio.ServicerContext
+Ctx: TypeAlias = grpc.aio.ServicerContext
 
 
 class ControlServicer(control_pb2_grpc.ControlServicer):
@@ -34,22 +35,24 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     @translate_errors
     async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
-        await self._slot.lifecycle.abort(convert.abort_ids(request, self._limits))
+        await self._slot.lifecycle.abort(convert_lifecycle.abort_ids(request, self._limits))
         return pb.AbortResponse()
 
     @translate_errors
     async def LoadLora(self, request: pb.LoadLoraRequest, context: Ctx) -> pb.LoadLoraResponse:
-        adapter = await self._slot.lifecycle.load_lora(request.lora_name, request.source_path)
-        return pb.LoadLoraResponse(adapter=convert.lora_adapter(adapter))
+        adapter = await self._slot.lifecycle.loras.load(request.lora_name, request.source_path)
+        return pb.LoadLoraResponse(adapter=convert_lifecycle.lora_adapter(adapter))
 
     @translate_errors
     async def UnloadLora(self, request: pb.UnloadLoraRequest, context: Ctx) -> pb.UnloadLoraResponse:
-        adapter = await self._slot.lifecycle.unload_lora(request.lora_name)
-        return pb.UnloadLoraResponse(adapter=convert.lora_adapter(adapter))
+        adapter = await self._slot.lifecycle.loras.unload(request.lora_name)
+        return pb.UnloadLoraResponse(adapter=convert_lifecycle.lora_adapter(adapter))
 
     @translate_errors
     async def ListLoras(self, request: pb.ListLorasRequest, context: Ctx) -> pb.ListLorasResponse:
-        return pb.ListLorasResponse(adapters=[convert.lora_adapter(a) for a in await self._slot.lifecycle.list_loras()])
+        return pb.ListLorasResponse(
+            adapters=[convert_lifecycle.lora_adapter(a) for a in await self._slot.serving.list_loras()]
+        )
 
     @translate_errors
     async def GetKvEventSources(self, request: pb.GetKvEventSourcesRequest, context: Ctx):
@@ -57,7 +60,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     @translate_errors
     async def PauseGeneration(self, request: pb.PauseGenerationRequest, context: Ctx):
-        await self._slot.lifecycle.pause(*convert.pause_request(request))
+        await self._slot.lifecycle.pause(*convert_lifecycle.pause_request(request))
         return pb.PauseGenerationResponse()
 
     @translate_errors
@@ -71,12 +74,12 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     @translate_errors
     async def Sleep(self, request: pb.SleepRequest, context: Ctx) -> pb.SleepResponse:
-        await self._slot.lifecycle.sleep(*convert.sleep_request(request))
+        await self._slot.lifecycle.sleep(*convert_lifecycle.sleep_request(request))
         return pb.SleepResponse()
 
     @translate_errors
     async def WakeUp(self, request: pb.WakeUpRequest, context: Ctx) -> pb.WakeUpResponse:
-        await self._slot.lifecycle.wake_up(convert.wake_tags(request))
+        await self._slot.lifecycle.wake_up(convert_lifecycle.wake_tags(request))
         return pb.WakeUpResponse()
 
     @translate_errors
@@ -114,12 +117,12 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     @translate_errors
     async def FinishWeightUpdate(self, request: pb.FinishWeightUpdateRequest, context: Ctx):
-        await self._slot.lifecycle.weights.finish(convert.finish_version(request))
+        await self._slot.lifecycle.weights.finish(convert_lifecycle.finish_version(request))
         return pb.FinishWeightUpdateResponse()
 
     @translate_errors
     async def Shutdown(self, request: pb.ShutdownRequest, context: Ctx) -> pb.ShutdownResponse:
-        lifecycle = self._slot.lifecycle_or_none
+        lifecycle = self._slot.serving_or_none
         if lifecycle is not None:
             lifecycle.record("shutdown", "requested over Control/Shutdown", "ok")
         self._on_shutdown()

@@ -93,7 +93,7 @@ class Frontends:
         )
         engine = await asyncio.to_thread(EngineAdapter.connect, config, shared.clients[0], shared.vllm_config)
         loop = asyncio.get_running_loop()
-        shared.watch(lambda reason: loop.call_soon_threadsafe(engine.monitor.declare_dead, reason))
+        shared.watch(lambda reason: _call_soon(loop, engine.monitor.declare_dead, reason))
         return engine
 
     async def start(
@@ -224,11 +224,16 @@ class Frontends:
         self._dir.cleanup()
 
 
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[str], None], reason: str) -> None:
+    """From another thread: `callback(reason)` on `loop`."""
+    loop.call_soon_threadsafe(callback, reason)
+
+
 async def _exited(process: BaseProcess) -> None:
     """Until `process` exits (its sentinel turns readable), however it ends."""
     loop = asyncio.get_running_loop()
     done = loop.create_future()
-    loop.add_reader(process.sentinel, lambda: done.done() or done.set_result(None))
+    loop.add_reader(process.sentinel, lambda: None if done.done() else done.set_result(None))
     try:
         await done
     finally:

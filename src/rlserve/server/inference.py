@@ -9,8 +9,8 @@ import grpc
 from rlserve.api.vllm import inference_pb2, inference_pb2_grpc
 from rlserve.config import RequestLimits
 from rlserve.server import convert
-from rlserve.server.backend import EngineSlot
 from rlserve.server.errors import translate_errors
+from rlserve.server.slot import EngineSlot
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -23,7 +23,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GenerateResponse:
         params = convert.generate_params(request, is_stream=False, limits=self._limits)
-        chunks = [c async for c in self._slot.lifecycle.generate(params)]
+        chunks = [c async for c in self._slot.serving.generate(params)]
         # FINAL_ONLY output: one chunk for the one sequence (n > 1 is refused for unary).
         return convert.generate_response(chunks[-1], params)
 
@@ -33,6 +33,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         # and the error translation once per call, where a generator would pass each message
         # through both.
         params = convert.generate_params(request, is_stream=True, limits=self._limits)
-        async with contextlib.aclosing(self._slot.lifecycle.generate(params)) as chunks:
+        async with contextlib.aclosing(self._slot.serving.generate(params)) as chunks:
             async for chunk in chunks:
                 await context.write(convert.generate_response(chunk, params))

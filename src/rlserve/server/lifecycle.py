@@ -4,15 +4,17 @@ and LoRA adapters pushed by the trainer."""
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import grpc
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as pb
 from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
-from rlserve.server import convert
-from rlserve.server.backend import EngineSlot
+from rlserve.server import convert_lifecycle
 from rlserve.server.errors import translate_errors
+from rlserve.server.slot import EngineSlot
 
-Ctx = grpc.aio.ServicerContext
+Ctx: TypeAlias = grpc.aio.ServicerContext
 
 
 class LifecycleServicer(lifecycle_pb2_grpc.LifecycleServicer):
@@ -22,19 +24,19 @@ class LifecycleServicer(lifecycle_pb2_grpc.LifecycleServicer):
 
     @translate_errors
     async def GetState(self, request: pb.GetStateRequest, context: Ctx) -> pb.LifecycleState:
-        state = convert.lifecycle_snapshot(await self._slot.lifecycle.snapshot())
+        state = convert_lifecycle.lifecycle_snapshot(await self._slot.lifecycle.snapshot())
         state.insecure_control = self._insecure_control
         return state
 
     @translate_errors
     async def WatchState(self, request: pb.WatchStateRequest, context: Ctx):
         async for state in self._slot.lifecycle.watch():
-            yield convert.lifecycle_state(state)
+            yield convert_lifecycle.lifecycle_state(state)
 
     @translate_errors
     async def UpdateWeightVersion(self, request: pb.UpdateWeightVersionRequest, context: Ctx):
         previous = await self._slot.lifecycle.update_weight_version(
-            request.weight_version, convert.expected_version(request)
+            request.weight_version, convert_lifecycle.expected_version(request)
         )
         return pb.UpdateWeightVersionResponse(previous_weight_version=previous)
 
@@ -46,22 +48,22 @@ class LifecycleServicer(lifecycle_pb2_grpc.LifecycleServicer):
     @translate_errors
     async def PrepareWeightUpdate(self, request: pb.PrepareWeightUpdateRequest, context: Ctx):
         session = await self._slot.lifecycle.weights.prepare()
-        return pb.PrepareWeightUpdateResponse(session=convert.update_session(session))
+        return pb.PrepareWeightUpdateResponse(session=convert_lifecycle.update_session(session))
 
     @translate_errors
     async def GetWeightChecksum(self, request: pb.GetWeightChecksumRequest, context: Ctx) -> pb.WeightChecksum:
-        return convert.weight_checksum(await self._slot.lifecycle.weights.checksums())
+        return convert_lifecycle.weight_checksum(await self._slot.lifecycle.weights.checksums())
 
     @translate_errors
     async def GetLoad(self, request: pb.GetLoadRequest, context: Ctx) -> pb.LoadReport:
-        return convert.load_report(*self._slot.lifecycle.load())
+        return convert_lifecycle.load_report(*self._slot.lifecycle.load())
 
     @translate_errors
     async def StartLoraUpdate(self, request: pb.StartLoraUpdateRequest, context: Ctx) -> pb.StartLoraUpdateResponse:
-        await self._slot.lifecycle.weights.start_lora(*convert.start_lora_update(request))
+        await self._slot.lifecycle.loras.start_push(*convert_lifecycle.start_lora_update(request))
         return pb.StartLoraUpdateResponse()
 
     @translate_errors
     async def FinishLoraUpdate(self, request: pb.FinishLoraUpdateRequest, context: Ctx):
-        adapter = await self._slot.lifecycle.weights.finish_lora()
-        return pb.FinishLoraUpdateResponse(adapter=convert.lora_adapter(adapter), version=adapter.version)
+        adapter = await self._slot.lifecycle.loras.finish_push()
+        return pb.FinishLoraUpdateResponse(adapter=convert_lifecycle.lora_adapter(adapter), version=adapter.version)

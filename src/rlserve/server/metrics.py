@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
+from typing import Any, Protocol
 from wsgiref.simple_server import WSGIServer
 
 import prometheus_client
@@ -177,8 +179,12 @@ class _VllmOnly:
         return (family for family in self._collector.collect() if family.name.startswith("vllm:"))
 
 
+class _Collects(Protocol):
+    def collect(self) -> Iterable[Any]: ...
+
+
 class _Registries:
-    def __init__(self, *registries: CollectorRegistry) -> None:
+    def __init__(self, *registries: _Collects) -> None:
         self._registries = registries
 
     def collect(self):

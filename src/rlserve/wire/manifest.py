@@ -123,3 +123,18 @@ def lora_config_misfit(config: Mapping[str, Any], tensors: dict[str, ManifestEnt
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha) or abs(alpha) > 1e6:
         return f"adapter_config lora_alpha={alpha!r} is no usable scale"
     return ""
+
+
+def lora_files_misfit(adapter_dir: Path, checkpoint: dict[str, ManifestEntry], max_rank: int) -> str:
+    """What is wrong with an adapter directory on disk against the served checkpoint: its
+    tensors' headers, then its adapter_config.json (one vLLM cannot read is left for vLLM to
+    name). Raises OSError / ValueError when there are no readable adapter weights."""
+    tensors = read_manifest(adapter_dir)
+    problem = lora_misfit(tensors, checkpoint, max_rank)
+    if problem:
+        return problem
+    try:
+        config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return lora_config_misfit(config, tensors) if isinstance(config, dict) else ""

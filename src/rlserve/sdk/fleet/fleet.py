@@ -197,7 +197,7 @@ class Fleet:
         found_paused = {n for n, s in states.items() if s.pause_phase != lifecycle_pb2.PAUSE_PHASE_RUNNING}
         dtype = getattr(torch, states[members[0].name].weight_dtype, None)
         tensors, chunks = plan_sync(weights, dtype, chunk_bytes=self._chunk_bytes, bucket_bytes=self._bucket_bytes)
-        if not self._group.spans(self._members, chunks) or not all(s.transport_ready for s in states.values()):
+        if not self._group.spans(list(self._members), chunks) or not all(s.transport_ready for s in states.values()):
             self.init(require_same_weights=False, span=self._group.span_of(chunks))
         init_s = time.perf_counter() - t_init
         self._check_partial(members, set(tensors))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rlserve.api.vllm import inference_pb2
 from rlserve.sdk.client import Client, Prompt
 
-INFERENCE_SERVICE = "vllm.Inference"
+INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 # After a watch ends (the server went away), before watching it again.
 REWATCH_S = 1.0
 # How long a request waits for a new server's first health report.
@@ -131,7 +131,7 @@ class FleetRouter:
 
     def stream(
         self, prompt: Prompt, *, session_id: str | None = None, timeout_s: float | None = None, **kw: Any
-    ) -> Iterator[Routed]:
+    ) -> Generator[Routed, None, None]:
         """GenerateStream on the chosen server, retried elsewhere only before its first output."""
         tried: set[str] = set()
         while True:
