@@ -10,7 +10,14 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlserve.rl.loop import GrpoLoop
+    from rlserve.rl.record import StepRecord
+    from rlserve.rl.report import Progress, StepLog
 
 TOKEN_ENV = "RLSERVE_TOKEN"
 
@@ -97,19 +104,45 @@ def _ray_fleet(args: argparse.Namespace, model_dir: Path):
     )
 
 
-def _train(args: argparse.Namespace, model_dir: Path, targets, credentials) -> int:
-    """`targets`: the servers' addresses, or a Fleet."""
-    import grpc
+def _train(args: argparse.Namespace, model_dir: Path, targets: Any, credentials: Any) -> int:
+    """`targets`: the servers' addresses, or a Fleet. The run's status: 0, or 1 when it stopped
+    on an error or the trainer's and the server's logprobs did not agree."""
+    import torch
+
+    from rlserve.rl.report import Progress, StepLog, cpu_description, plot
+
+    torch.manual_seed(args.seed)
+    loop = _grpo_loop(args, model_dir, targets, credentials)
+    progress, log = Progress(), StepLog(args.out / "steps.jsonl")
+    mode = f"async, max staleness {loop.config.max_staleness}" if args.asynchronous else "synchronous"
+    try:
+        with _stop_on_interrupt(progress) as stop:
+            servers = ", ".join(loop.fleet.servers if loop.fleet is not None else targets)
+            progress.message(f"GRPO on {model_dir.name} via rlserve at {servers} ({mode}); log: {log.path}")
+            progress.message(f"trainer CPU: {cpu_description()}")
+            status = _run_steps(loop, args, progress, log, stop)
+    finally:
+        log.close()
+        loop.close()
+        picture = plot(loop.records, args.out / "demo.png", title=f"GRPO on {model_dir.name} via rlserve ({mode})")
+        progress.message(_summary(loop.records) + f"\nplot: {picture}  log: {log.path}")
+    disagreed = _disagreement(loop.records, loop.config.agreement_tolerance)
+    if disagreed:
+        progress.message(disagreed)
+        status = status or 1
+    return status
+
+
+def _grpo_loop(args: argparse.Namespace, model_dir: Path, targets: Any, credentials: Any) -> GrpoLoop:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlserve.rl.loop import AGREEMENT_OK, GrpoConfig, GrpoLoop, Policy, ServerNotServing
-    from rlserve.rl.report import Progress, StepLog, cpu_description, plot
+    from rlserve.rl.config import GrpoConfig
+    from rlserve.rl.loop import GrpoLoop
+    from rlserve.rl.policy import Policy
     from rlserve.rl.rollout import SamplingConfig
     from rlserve.rl.tasks import Arithmetic
-    from rlserve.sdk.weight_sync import WeightSyncError
 
-    torch.manual_seed(args.seed)
     staleness = args.max_staleness if args.max_staleness is not None else int(args.asynchronous)
     defaults = GrpoConfig()
     config = GrpoConfig(
@@ -123,10 +156,14 @@ def _train(args: argparse.Namespace, model_dir: Path, targets, credentials) -> i
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     policy = Policy(model, AutoTokenizer.from_pretrained(model_dir), lr=config.lr, keep_versions=staleness)
-    loop = GrpoLoop(
-        policy, Arithmetic(seed=args.seed, max_operand=args.max_operand), targets, config, credentials=credentials
-    )
-    progress, log = Progress(), StepLog(args.out / "steps.jsonl")
+    task = Arithmetic(seed=args.seed, max_operand=args.max_operand)
+    return GrpoLoop(policy, task, targets, config, credentials=credentials)
+
+
+@contextlib.contextmanager
+def _stop_on_interrupt(progress: Progress) -> Iterator[threading.Event]:
+    """An event Ctrl-C sets (the run stops after its step); a second Ctrl-C stops it at once
+    (KeyboardInterrupt). The previous handler is back on exit."""
     stop = threading.Event()
 
     def interrupted(*_: object) -> None:
@@ -136,13 +173,22 @@ def _train(args: argparse.Namespace, model_dir: Path, targets, credentials) -> i
         stop.set()
 
     previous = signal.signal(signal.SIGINT, interrupted)
-    mode = f"async, max staleness {staleness}" if args.asynchronous else "synchronous"
-    servers = ", ".join(loop.fleet.servers if loop.fleet is not None else targets)
-    progress.message(f"GRPO on {model_dir.name} via rlserve at {servers} ({mode}); log: {log.path}")
-    progress.message(f"trainer CPU: {cpu_description()}")
-    status = 0
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
-    def on_step(record) -> None:
+
+def _run_steps(
+    loop: GrpoLoop, args: argparse.Namespace, progress: Progress, log: StepLog, stop: threading.Event
+) -> int:
+    """The loop run, each step logged and shown; 1 when it stopped on an error, else 0."""
+    import grpc
+
+    from rlserve.rl.loop import ServerNotServing
+    from rlserve.sdk.weight_sync import WeightSyncError
+
+    def on_step(record: StepRecord) -> None:
         log.write(record)
         if record.step == 1 and loop.train_dtype_seconds:
             timed = ", ".join(f"{d} {s:.2f} s" for d, s in loop.train_dtype_seconds.items())
@@ -162,26 +208,27 @@ def _train(args: argparse.Namespace, model_dir: Path, targets, credentials) -> i
         progress.message("stopped")
     except ServerNotServing as e:
         progress.message(f"rlserve demo: {e}")
-        status = 1
+        return 1
     except (grpc.RpcError, WeightSyncError, RuntimeError) as e:
         reason = e.details() if isinstance(e, grpc.RpcError) else str(e)
         progress.message(f"rlserve demo: stopped at step {len(loop.records) + 1}: {reason}")
-        status = 1
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        log.close()
-        loop.close()
-        picture = plot(loop.records, args.out / "demo.png", title=f"GRPO on {model_dir.name} via rlserve ({mode})")
-        progress.message(_summary(loop.records) + f"\nplot: {picture}  log: {log.path}")
-    unchecked = {r.step: r.agreement for r in loop.records if r.agreement != AGREEMENT_OK}
-    if unchecked:
-        progress.message(
-            "rlserve demo: the trainer's and the server's logprobs did not agree at steps "
-            + ", ".join(f"{step} ({how})" for step, how in unchecked.items())
-            + f" (tolerance {config.agreement_tolerance:g}): the served weights were not the version's"
-        )
-        status = status or 1
-    return status
+        return 1
+    return 0
+
+
+def _disagreement(records: Sequence[StepRecord], tolerance: float) -> str:
+    """The steps at which the trainer's and the server's logprobs did not agree, in a line
+    ("" when none)."""
+    from rlserve.rl.agreement import AGREEMENT_OK
+
+    unchecked = {r.step: r.agreement for r in records if r.agreement != AGREEMENT_OK}
+    if not unchecked:
+        return ""
+    return (
+        "rlserve demo: the trainer's and the server's logprobs did not agree at steps "
+        + ", ".join(f"{step} ({how})" for step, how in unchecked.items())
+        + f" (tolerance {tolerance:g}): the served weights were not the version's"
+    )
 
 
 def _misfit(args: argparse.Namespace) -> str:
@@ -200,7 +247,7 @@ def _misfit(args: argparse.Namespace) -> str:
     return ""
 
 
-def _summary(records) -> str:
+def _summary(records: Sequence[StepRecord]) -> str:
     from rlserve.rl.report import reward_rise
 
     if not records:

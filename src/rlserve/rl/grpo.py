@@ -12,10 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlserve.rl.rollout import Rollout
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # The staleness of a token whose version the trainer never published (not a step number, or
 # ahead of the trainer): older than any bound, so it never reaches a gradient.
@@ -46,7 +50,7 @@ def group_advantages(rollouts: Sequence[Rollout], eps: float = 1e-4) -> None:
 
 
 def completion_logprobs(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     rollouts: Sequence[Rollout],
     pad_id: int,
     params: Mapping[str, torch.Tensor] | None = None,
@@ -67,7 +71,7 @@ def completion_logprobs(
         return torch.func.functional_call(scorer, weights, (rollouts,), tie_weights=False)
 
 
-def _logprobs(model: torch.nn.Module, rollouts: Sequence[Rollout], pad_id: int) -> list[torch.Tensor]:
+def _logprobs(model: PreTrainedModel, rollouts: Sequence[Rollout], pad_id: int) -> list[torch.Tensor]:
     sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
@@ -77,7 +81,9 @@ def _logprobs(model: torch.nn.Module, rollouts: Sequence[Rollout], pad_id: int) 
         mask[i, : len(s)] = 1
     hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
     # The logit at position p predicts token p + 1.
-    rows, cols, targets = [], [], []
+    rows: list[int] = []
+    cols: list[int] = []
+    targets: list[int] = []
     for i, r in enumerate(rollouts):
         start = len(r.prompt_ids) - 1
         rows += [i] * r.num_tokens
@@ -91,7 +97,7 @@ def _logprobs(model: torch.nn.Module, rollouts: Sequence[Rollout], pad_id: int) 
 class _Scorer(torch.nn.Module):
     """The scoring pass as a module, so that functional_call can run it on other weights."""
 
-    def __init__(self, model: torch.nn.Module, pad_id: int) -> None:
+    def __init__(self, model: PreTrainedModel, pad_id: int) -> None:
         super().__init__()
         self.model, self.pad_id = model, pad_id
 

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from rlserve.rl.loop import AGREEMENT_MISMATCH, StepRecord
+from rlserve.rl.agreement import AGREEMENT_MISMATCH
+from rlserve.rl.record import StepRecord
 
 
 class Progress:

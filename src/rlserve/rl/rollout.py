@@ -10,12 +10,22 @@ request kept across a weight update (pause KEEP) has tokens of two versions.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from rlserve.api.vllm import inference_pb2 as pb
 from rlserve.rl.tasks import Problem
-from rlserve.sdk.client import AsyncClient, generate_request
+from rlserve.sdk.client import generate_request
+
+
+class GenerateStreams(Protocol):
+    """What sampling needs of a client: GenerateStream as an async iterator. One server's
+    `AsyncClient` is one; so is `sampler.FleetStreams`, across a fleet."""
+
+    def stream(
+        self, request: pb.GenerateRequest, /, *, timeout_s: float | None = None
+    ) -> AsyncIterator[pb.GenerateResponse]: ...
 
 
 @dataclass
@@ -62,7 +72,12 @@ def versions_from_spans(spans: Sequence, num_tokens: int) -> list[str]:
 
 
 async def sample_group(
-    client: AsyncClient, problem: Problem, group: int, prompt_ids: list[int], config: SamplingConfig, seed: int | None
+    client: GenerateStreams,
+    problem: Problem,
+    group: int,
+    prompt_ids: list[int],
+    config: SamplingConfig,
+    seed: int | None,
 ) -> list[Rollout]:
     """`config.group_size` completions of one prompt, in sequence order."""
     sampling = pb.RandomSampling(num_sequences=config.group_size)
@@ -75,7 +90,8 @@ async def sample_group(
         output_logprobs=True,
         sampling=sampling,
     )
-    parts = {i: ([], [], []) for i in range(config.group_size)}
+    # Per sequence: its token ids, their logprobs, its text pieces.
+    parts: dict[int, tuple[list[int], list[float], list[str]]] = {i: ([], [], []) for i in range(config.group_size)}
     finals: dict[int, pb.SequenceOutput] = {}
     async for message in client.stream(request, timeout_s=config.timeout_s):
         out = message.outputs
@@ -116,7 +132,7 @@ def _versions(final: pb.SequenceOutput, index: int, num_tokens: int) -> list[str
 
 
 async def sample_batch(
-    client: AsyncClient,
+    client: GenerateStreams,
     problems: Sequence[Problem],
     prompt_ids: Sequence[list[int]],
     config: SamplingConfig,
