@@ -7,7 +7,10 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rlserve.config import (
     AUTH_TOKENS_ENV,
@@ -27,134 +30,198 @@ TOKEN`. SIGHUP re-reads the file. Or mutual TLS: --tls-cert-file/--tls-key-file 
 --tls-client-ca-file; a client certificate's CN is the caller (grant it a role with a line
 `admin cert:CN`, or give it the OU `rlserve-admin` / `rlserve-read`). See docs/security.md."""
 
-# The dataclasses own the defaults; the CLI shows them.
-_ENGINE = EngineConfig.__dataclass_fields__
-_SERVE = ServeConfig.__dataclass_fields__
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+# The dataclasses own the defaults and the CLI shows them: a flag's default is its field's
+# unless the flag gives one.
+_FIELD_DEFAULT: Any = object()
+# Where a flag's field lives: "engine.NAME" (EngineConfig), "security.NAME" (SecurityConfig),
+# or a ServeConfig field's NAME.
+_CONFIGS: dict[str, type[EngineConfig] | type[SecurityConfig] | type[ServeConfig]] = {
+    "engine": EngineConfig,
+    "security": SecurityConfig,
+    "": ServeConfig,
+}
 
 
-def _default(fields: dict, name: str) -> object:
-    return fields[name].default
+@dataclass(frozen=True)
+class Flag:
+    """One `rlserve serve` flag and the config field it sets (`field`: "engine.NAME",
+    "security.NAME", a ServeConfig field, or "" for none). `to_field` turns the parsed value
+    into the field's; a switch is a store_true flag."""
+
+    name: str
+    field: str
+    help: str | None = None
+    type: Callable[[str], Any] | None = None
+    choices: Sequence[str] | None = None
+    is_switch: bool = False
+    default: Any = _FIELD_DEFAULT
+    default_factory: Callable[[], Any] | None = None
+    to_field: Callable[[Any], Any] | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.name.removeprefix("--").replace("-", "_")
+
+    @property
+    def config_and_name(self) -> tuple[str, str]:
+        config, _, name = self.field.rpartition(".")
+        return config, name
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        if self.is_switch:
+            parser.add_argument(self.name, action="store_true", help=self.help)
+            return
+        options: dict[str, Any] = {"default": self._default(), "help": self.help}
+        if self.type is not None:
+            options["type"] = self.type
+        if self.choices is not None:
+            options["choices"] = self.choices
+        parser.add_argument(self.name, **options)
+
+    def _default(self) -> Any:
+        if self.default_factory is not None:
+            return self.default_factory()
+        if self.default is not _FIELD_DEFAULT:
+            return self.default
+        config, name = self.config_and_name
+        return _CONFIGS[config].__dataclass_fields__[name].default
+
+
+def _hosts(text: str) -> tuple[str, ...]:
+    return tuple(h.strip() for h in text.split(",") if h.strip())
+
+
+def _negated(value: bool) -> bool:
+    return not value
+
+
+# `rlserve serve`'s flags in the order --help shows them.
+SERVE_FLAGS = (
+    Flag("--model", "engine.model", "local HF model directory (default: SmolLM2-135M-Instruct)", default=""),
+    Flag("--served-model-name", "engine.served_model_name", "name clients use (default: the model path)"),
+    Flag("--host", "host", "bind address (default: loopback only)"),
+    Flag("--port", "port", type=int),
+    Flag(
+        "--control-address",
+        "control_address",
+        "a listener of its own for vllm.Control and rlserve.v1 (HOST:PORT or unix:PATH); default: --host/--port",
+    ),
+    Flag(
+        "--frontends",
+        "num_frontends",
+        "frontend processes over the one engine, all serving vllm.Inference on --port (more frontend CPU "
+        "for a fast engine); the first owns the control plane, which then needs --control-address",
+        type=int,
+    ),
+    Flag(
+        "--max-frontend-restarts",
+        "max_frontend_restarts",
+        "with --frontends: how often in all a frontend process (not the first) that died is started "
+        "again, after a back-off of 1-30 s (default: %(default)s)",
+        type=int,
+    ),
+    Flag("--auth-tokens-file", "security.auth_tokens_file", "ROLE TOKEN [NAME] per line (see below)", type=Path),
+    Flag("--tls-cert-file", "security.tls_cert_file", "the server's certificate chain (PEM)", type=Path),
+    Flag("--tls-key-file", "security.tls_key_file", "the server's private key (PEM)", type=Path),
+    Flag("--tls-client-ca-file", "security.tls_client_ca_file", "require client certificates from this CA", type=Path),
+    Flag(
+        "--insecure-control",
+        "security.insecure_control",
+        "serve a non-loopback control plane without authentication (not recommended)",
+        is_switch=True,
+    ),
+    Flag(
+        "--transfer-allowed-hosts",
+        "security.transfer_allowed_hosts",
+        "comma-separated hosts, addresses or CIDRs InitWeightTransferEngine may name, besides "
+        "loopback and the caller's own address",
+        default="",
+        to_field=_hosts,
+    ),
+    Flag("--dtype", "engine.dtype", choices=DTYPES),
+    Flag("--max-model-len", "engine.max_model_len", type=int),
+    Flag("--max-num-seqs", "engine.max_num_seqs", type=int),
+    Flag("--data-parallel-size", "engine.data_parallel_size", type=int),
+    Flag("--enforce-eager", "engine.enforce_eager", is_switch=True),
+    Flag(
+        "--weight-transfer-backend",
+        "engine.weight_transfer_backend",
+        "rlserve_gloo (CPU or GPU), rlserve_shm (trainer on this host), or vLLM's nccl, ipc, ...",
+    ),
+    Flag(
+        "--weight-update-mode",
+        "engine.weight_update_mode",
+        "rlserve_gloo/rlserve_shm: shadow (all or nothing; holds a processed copy of the updated layers "
+        "until the commit) or in-place (one layer of extra memory; an update that fails half way leaves the "
+        "weights inconsistent)",
+        choices=WEIGHT_UPDATE_MODES,
+    ),
+    Flag("--enable-sleep-mode", "engine.enable_sleep_mode", is_switch=True),
+    Flag("--scheduling-policy", "engine.scheduling_policy", choices=SCHEDULING_POLICIES),
+    Flag("--kv-cache-gib", "engine.kv_cache_gib", "KV cache size (CPU default: 1 GiB)", type=float),
+    # Where the default model is converted to (no field: `--model`'s default is made of it).
+    Flag("--cache-dir", "", "converted models live here", type=Path, default_factory=default_cache_dir),
+    Flag("--shutdown-grace-s", "shutdown_grace_s", type=float),
+    Flag(
+        "--exit-with-parent",
+        "exit_with_parent",
+        "shut down when the process that started this one exits (for launchers)",
+        is_switch=True,
+    ),
+    Flag("--max-held-requests", "max_held_requests", "requests held while paused", type=int),
+    Flag("--max-held-bytes", "max_held_bytes", "their estimated size, in all", type=int),
+    Flag(
+        "--transfer-timeout-s",
+        "transfer_timeout_s",
+        "cap on every weight-transfer deadline (a trainer's timeout_s may only lower it)",
+        type=float,
+    ),
+    Flag(
+        "--update-lease-s",
+        "update_lease_s",
+        "an update session with no call for this long is aborted (default: the transfer timeout)",
+        type=float,
+    ),
+    Flag(
+        "--engine-hang-timeout-s",
+        "engine.hang_timeout_s",
+        "an engine that answers nothing for this long is declared dead (health NOT_SERVING)",
+        type=float,
+    ),
+    Flag("--max-message-bytes", "max_message_bytes", "largest gRPC message", type=int),
+    # Also sets engine.vllm_metrics: vLLM's metrics are recorded only when something scrapes them.
+    Flag(
+        "--metrics-port",
+        "metrics_port",
+        "serve Prometheus metrics (rlserve_* and vLLM's vllm:*) at http://HOST:PORT/metrics",
+        type=int,
+    ),
+    Flag("--enable-lora", "engine.enable_lora", "serve LoRA adapters (Control/LoadLora)", is_switch=True),
+    Flag("--max-loras", "engine.max_loras", "adapters per batch", type=int),
+    Flag("--max-lora-rank", "engine.max_lora_rank", type=int),
+    Flag(
+        "--disable-log-stats",
+        "engine.log_stats",
+        "run the engine without scheduler stats: no vllm:* metrics, and GetLoad is refused",
+        is_switch=True,
+        to_field=_negated,
+    ),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser(
+    serve = sub.add_parser(
         "serve",
         help="serve a model over gRPC (vllm.Inference, vllm.Control)",
         epilog=SECURITY_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    s.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")
-    s.add_argument("--served-model-name", default="", help="name clients use (default: the model path)")
-    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    s.add_argument("--port", type=int, default=50051)
-    s.add_argument(
-        "--control-address",
-        default="",
-        help="a listener of its own for vllm.Control and rlserve.v1 (HOST:PORT or unix:PATH); default: --host/--port",
-    )
-    s.add_argument(
-        "--frontends",
-        type=int,
-        default=_default(_SERVE, "num_frontends"),
-        help="frontend processes over the one engine, all serving vllm.Inference on --port (more frontend CPU "
-        "for a fast engine); the first owns the control plane, which then needs --control-address",
-    )
-    s.add_argument(
-        "--max-frontend-restarts",
-        type=int,
-        default=_default(_SERVE, "max_frontend_restarts"),
-        help="with --frontends: how often in all a frontend process (not the first) that died is started "
-        "again, after a back-off of 1-30 s (default: %(default)s)",
-    )
-    s.add_argument("--auth-tokens-file", type=Path, default=None, help="ROLE TOKEN [NAME] per line (see below)")
-    s.add_argument("--tls-cert-file", type=Path, default=None, help="the server's certificate chain (PEM)")
-    s.add_argument("--tls-key-file", type=Path, default=None, help="the server's private key (PEM)")
-    s.add_argument("--tls-client-ca-file", type=Path, default=None, help="require client certificates from this CA")
-    s.add_argument(
-        "--insecure-control",
-        action="store_true",
-        help="serve a non-loopback control plane without authentication (not recommended)",
-    )
-    s.add_argument(
-        "--transfer-allowed-hosts",
-        default="",
-        help="comma-separated hosts, addresses or CIDRs InitWeightTransferEngine may name, besides "
-        "loopback and the caller's own address",
-    )
-    s.add_argument("--dtype", default="auto", choices=DTYPES)
-    s.add_argument("--max-model-len", type=int, default=None)
-    s.add_argument("--max-num-seqs", type=int, default=None)
-    s.add_argument("--data-parallel-size", type=int, default=1)
-    s.add_argument("--enforce-eager", action="store_true")
-    s.add_argument(
-        "--weight-transfer-backend",
-        default="",
-        help="rlserve_gloo (CPU or GPU), rlserve_shm (trainer on this host), or vLLM's nccl, ipc, ...",
-    )
-    s.add_argument(
-        "--weight-update-mode",
-        default=_default(_ENGINE, "weight_update_mode"),
-        choices=WEIGHT_UPDATE_MODES,
-        help="rlserve_gloo/rlserve_shm: shadow (all or nothing; holds a processed copy of the updated layers "
-        "until the commit) or in-place (one layer of extra memory; an update that fails half way leaves the "
-        "weights inconsistent)",
-    )
-    s.add_argument("--enable-sleep-mode", action="store_true")
-    s.add_argument("--scheduling-policy", default=_default(_ENGINE, "scheduling_policy"), choices=("fcfs", "priority"))
-    s.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (CPU default: 1 GiB)")
-    s.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="converted models live here")
-    s.add_argument("--shutdown-grace-s", type=float, default=_default(_SERVE, "shutdown_grace_s"))
-    s.add_argument(
-        "--exit-with-parent",
-        action="store_true",
-        help="shut down when the process that started this one exits (for launchers)",
-    )
-    s.add_argument(
-        "--max-held-requests",
-        type=int,
-        default=_default(_SERVE, "max_held_requests"),
-        help="requests held while paused",
-    )
-    s.add_argument(
-        "--max-held-bytes", type=int, default=_default(_SERVE, "max_held_bytes"), help="their estimated size, in all"
-    )
-    s.add_argument(
-        "--transfer-timeout-s",
-        type=float,
-        default=_default(_SERVE, "transfer_timeout_s"),
-        help="cap on every weight-transfer deadline (a trainer's timeout_s may only lower it)",
-    )
-    s.add_argument(
-        "--update-lease-s",
-        type=float,
-        default=None,
-        help="an update session with no call for this long is aborted (default: the transfer timeout)",
-    )
-    s.add_argument(
-        "--engine-hang-timeout-s",
-        type=float,
-        default=_default(_ENGINE, "hang_timeout_s"),
-        help="an engine that answers nothing for this long is declared dead (health NOT_SERVING)",
-    )
-    s.add_argument(
-        "--max-message-bytes", type=int, default=_default(_SERVE, "max_message_bytes"), help="largest gRPC message"
-    )
-    s.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics (rlserve_* and vLLM's vllm:*) at http://HOST:PORT/metrics",
-    )
-    s.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (Control/LoadLora)")
-    s.add_argument("--max-loras", type=int, default=_default(_ENGINE, "max_loras"), help="adapters per batch")
-    s.add_argument("--max-lora-rank", type=int, default=_default(_ENGINE, "max_lora_rank"))
-    s.add_argument(
-        "--disable-log-stats",
-        action="store_true",
-        help="run the engine without scheduler stats: no vllm:* metrics, and GetLoad is refused",
-    )
+    for flag in SERVE_FLAGS:
+        flag.add_to(serve)
     from rlserve.rl import demo
 
     d = sub.add_parser(
@@ -167,67 +234,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def security_config(args: argparse.Namespace, environ: dict[str, str]) -> SecurityConfig:
-    return SecurityConfig(
-        auth_tokens_file=args.auth_tokens_file,
-        auth_tokens_text=environ.get(AUTH_TOKENS_ENV),
-        tls_cert_file=args.tls_cert_file,
-        tls_key_file=args.tls_key_file,
-        tls_client_ca_file=args.tls_client_ca_file,
-        insecure_control=args.insecure_control,
-        transfer_allowed_hosts=tuple(h.strip() for h in args.transfer_allowed_hosts.split(",") if h.strip()),
-    )
-
-
 def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServeConfig:
-    model, served_name, dtype = args.model, args.served_model_name, args.dtype
-    is_default_model = not model
-    if is_default_model:
-        from rlserve.model_cache import DEFAULT_MODEL_NAME
+    """The configuration `rlserve serve`'s flags (and RLSERVE_AUTH_TOKENS in `environ`, default
+    the process's environment) ask for; raises ValueError naming what cannot work."""
+    fields: dict[str, dict[str, Any]] = {config: {} for config in _CONFIGS}
+    for flag in SERVE_FLAGS:
+        if flag.field:
+            config, name = flag.config_and_name
+            value = getattr(args, flag.dest)
+            fields[config][name] = flag.to_field(value) if flag.to_field is not None else value
+    engine = fields["engine"]
+    if not engine["model"]:
+        engine.update(_default_model(args.cache_dir, engine["served_model_name"], engine["dtype"]))
+    engine["vllm_metrics"] = args.metrics_port is not None
+    environ = dict(os.environ) if environ is None else environ
+    fields["security"]["auth_tokens_text"] = environ.get(AUTH_TOKENS_ENV)
+    return ServeConfig(engine=EngineConfig(**engine), security=SecurityConfig(**fields["security"]), **fields[""])
 
-        # Converted (once) by the server after it binds, so health answers meanwhile.
-        model = str(args.cache_dir / "models" / DEFAULT_MODEL_NAME)
-        served_name = served_name or DEFAULT_MODEL_NAME
+
+def _default_model(cache_dir: Path, served_name: str, dtype: str) -> dict[str, Any]:
+    """The engine fields of the default model, converted (once) by the server after it binds,
+    so health answers meanwhile."""
+    from rlserve.model_cache import DEFAULT_MODEL_NAME
+
+    return {
+        "model": str(cache_dir / "models" / DEFAULT_MODEL_NAME),
+        "served_model_name": served_name or DEFAULT_MODEL_NAME,
         # bf16 rounding flips near-ties of this small model on CPU; fp32 is as fast here.
-        dtype = "float32" if args.dtype == "auto" else args.dtype
-    engine = EngineConfig(
-        model=model,
-        served_model_name=served_name,
-        dtype=dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        data_parallel_size=args.data_parallel_size,
-        enforce_eager=args.enforce_eager,
-        weight_transfer_backend=args.weight_transfer_backend,
-        weight_update_mode=args.weight_update_mode,
-        enable_sleep_mode=args.enable_sleep_mode,
-        scheduling_policy=args.scheduling_policy,
-        kv_cache_gib=args.kv_cache_gib,
-        hang_timeout_s=args.engine_hang_timeout_s,
-        log_stats=not args.disable_log_stats,
-        vllm_metrics=args.metrics_port is not None,
-        enable_lora=args.enable_lora,
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        is_default_model=is_default_model,
-    )
-    return ServeConfig(
-        engine=engine,
-        host=args.host,
-        port=args.port,
-        shutdown_grace_s=args.shutdown_grace_s,
-        max_message_bytes=args.max_message_bytes,
-        max_held_requests=args.max_held_requests,
-        max_held_bytes=args.max_held_bytes,
-        transfer_timeout_s=args.transfer_timeout_s,
-        update_lease_s=args.update_lease_s,
-        control_address=args.control_address,
-        metrics_port=args.metrics_port,
-        exit_with_parent=args.exit_with_parent,
-        num_frontends=args.frontends,
-        max_frontend_restarts=args.max_frontend_restarts,
-        security=security_config(args, dict(os.environ) if environ is None else environ),
-    )
+        "dtype": "float32" if dtype == "auto" else dtype,
+        "is_default_model": True,
+    }
 
 
 def model_misfit(engine: EngineConfig) -> str:
