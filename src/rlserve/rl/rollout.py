@@ -80,16 +80,7 @@ async def sample_group(
     seed: int | None,
 ) -> list[Rollout]:
     """`config.group_size` completions of one prompt, in sequence order."""
-    sampling = pb.RandomSampling(num_sequences=config.group_size)
-    if seed is not None:
-        sampling.seed = seed
-    request = generate_request(
-        prompt_ids,
-        max_new_tokens=config.max_new_tokens,
-        temperature=config.temperature,
-        output_logprobs=True,
-        sampling=sampling,
-    )
+    request = _group_request(prompt_ids, config, seed)
     # Per sequence: its token ids, their logprobs, its text pieces.
     parts: dict[int, tuple[list[int], list[float], list[str]]] = {i: ([], [], []) for i in range(config.group_size)}
     finals: dict[int, pb.SequenceOutput] = {}
@@ -122,6 +113,20 @@ async def sample_group(
             )
         )
     return rollouts
+
+
+def _group_request(prompt_ids: list[int], config: SamplingConfig, seed: int | None) -> pb.GenerateRequest:
+    """One request for the whole group (num_sequences): the engine prefills the prompt once."""
+    sampling = pb.RandomSampling(num_sequences=config.group_size)
+    if seed is not None:
+        sampling.seed = seed
+    return generate_request(
+        prompt_ids,
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        output_logprobs=True,
+        sampling=sampling,
+    )
 
 
 def _versions(final: pb.SequenceOutput, index: int, num_tokens: int) -> list[str]:
