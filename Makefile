@@ -57,7 +57,9 @@ DEMO_ARGS ?=
 demo: install
 	$(VENV)/bin/rlserve demo $(DEMO_ARGS)
 
+# mypy first (seconds): src/ type-checks, configured in pyproject.toml; then the suite.
 test: install
+	$(PY) -m mypy
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: install

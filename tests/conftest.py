@@ -25,9 +25,30 @@ MAX_MODEL_LEN = 512
 INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
 
+# Modules whose engine tests start server or helper processes of their own (subprocesses,
+# Ray, network namespaces).
+PROCESS_MODULES = {
+    "test_dynamo", "test_fleet", "test_fleet_netns", "test_frontends", "test_ray", "test_rl",
+    "test_shutdown", "test_vllm_router",
+}  # fmt: skip
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # No model hub here: everything loads from local directories.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`engine`: a test whose fixtures build the tiny model (every engine, in this process or
+    another, is of it); `process`: such a test of PROCESS_MODULES. `pytest -m "not engine"` is
+    the quick gate."""
+    for item in items:
+        module = item.module.__name__ if isinstance(item, pytest.Function) else ""
+        uses_model = "tiny_model_dir" in getattr(item, "fixturenames", ())
+        if uses_model:
+            item.add_marker(pytest.mark.engine)
+            if module in PROCESS_MODULES:
+                item.add_marker(pytest.mark.process)
 
 
 @pytest.fixture(scope="session")

@@ -60,7 +60,7 @@ class SleepCapableEngine:
 
 
 def controller(engine: SleepCapableEngine) -> LifecycleController:
-    return LifecycleController(engine, max_held_requests=8, initial_version="default")  # type: ignore[arg-type]
+    return LifecycleController(engine, max_held_requests=8, initial_version="default")  # type: ignore[arg-type]  # a partial fake
 
 
 async def test_level_1_sleep_refuses_resume_until_fully_awake():

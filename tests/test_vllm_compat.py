@@ -1,4 +1,4 @@
-"""The server side's vLLM compat module refuses a vLLM of another minor version, naming the
+"""Each side's vLLM compat module refuses a vLLM of another minor version, naming the
 reaches to re-check, and accepts the pinned one (whatever its patch or suffix)."""
 
 from __future__ import annotations
@@ -19,10 +19,19 @@ def test_another_minor_is_refused_naming_every_reach(version):
         vllm_compat.check_version(version)
     message = str(refused.value)
     assert all(reach in message for reach in vllm_compat.REACHES)
-    assert "rlserve.worker.vllm_compat" in message
+    assert "rlserve.worker.vllm_compat" in message  # the other side has reaches of its own
 
 
 def test_the_installed_vllm_is_the_pinned_one():
     import vllm
 
     vllm_compat.check_version(vllm.__version__)
+
+
+def test_the_worker_side_refuses_another_minor_too():
+    from rlserve.worker import vllm_compat as worker_compat
+
+    worker_compat.check_version("0.32.3")
+    with pytest.raises(RuntimeError, match="rlserve.engine.vllm_compat") as refused:
+        worker_compat.check_version("0.33.0")
+    assert all(reach in str(refused.value) for reach in worker_compat.REACHES)

@@ -250,3 +250,23 @@ class ServeConfig:
 
 def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "rlserve"
+
+
+# The vLLM minor rlserve is written against (pyproject pins it); each process side's
+# `vllm_compat` module refuses another one at import, naming its reaches into vLLM.
+VLLM_PINNED_MINOR = (0, 32)
+
+
+def check_vllm_version(version: str, reaches: tuple[str, ...], other_side: str) -> None:
+    """Raises RuntimeError unless `version` is of `VLLM_PINNED_MINOR`; the message names
+    `reaches` to re-check, and the `other_side` module with its own."""
+    try:
+        minor = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        minor = ()
+    if minor != VLLM_PINNED_MINOR:
+        pinned = ".".join(map(str, VLLM_PINNED_MINOR))
+        raise RuntimeError(
+            f"rlserve is written against vLLM {pinned}.x, this is vLLM {version}: re-check every reach "
+            f"into its internals before changing the pin ({'; '.join(reaches)}), and those of {other_side}"
+        )

@@ -73,7 +73,7 @@ class OutputTranslator:
         )
 
     def _finish(self, c: CompletionOutput, total: int, kv: dict | None) -> Finish:
-        reason = FINISH_REASONS.get(c.finish_reason)  # type: ignore[arg-type]
+        reason = FINISH_REASONS.get(c.finish_reason)  # type: ignore[arg-type]  # vLLM types it str | None; None has no row
         if reason is None:
             raise EngineUnavailable(f"the engine failed the request ({c.finish_reason}); retry it")
         stop = c.stop_reason

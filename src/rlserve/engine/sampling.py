@@ -212,12 +212,12 @@ def _candidate_kwargs(cand: CandidateSelection, count_key: str, ids_key: str) ->
 def _structured_output(so: StructuredOutput) -> StructuredOutputsParams:
     kind = so.kind
     if kind is StructuredOutputKind.CHOICE:
-        return StructuredOutputsParams(choice=list(so.spec))  # type: ignore[arg-type]
+        return StructuredOutputsParams(choice=list(so.spec))  # type: ignore[arg-type]  # spec is a tuple for CHOICE
     if kind is StructuredOutputKind.JSON_OBJECT:
         return StructuredOutputsParams(json_object=True)
     if kind is StructuredOutputKind.JSON_SCHEMA:
         try:
-            json.loads(so.spec)  # type: ignore[arg-type]
+            json.loads(so.spec)  # type: ignore[arg-type]  # spec is a str for JSON_SCHEMA
         except ValueError as e:
             raise InvalidRequest("decoding.json", f"not a JSON schema: {e}") from e
     spec: Any = so.spec  # str for every kind but CHOICE (a tuple), checked by the parser

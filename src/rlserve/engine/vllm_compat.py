@@ -17,7 +17,8 @@ from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.utils import CoreEngineProcManager, bind_engine_zmq_listeners, launch_core_engines
 from vllm.v1.executor import Executor
 
-PINNED_MINOR = (0, 32)
+from rlserve.config import check_vllm_version
+
 REACHES = (
     "AsyncEngineArgs._api_process_count / _api_process_rank (several frontends)",
     "vllm.v1.engine.utils.bind_engine_zmq_listeners / launch_core_engines (several frontends)",
@@ -30,17 +31,7 @@ REACHES = (
 
 def check_version(version: str) -> None:
     """Raises RuntimeError unless `version` (vllm.__version__) is of the pinned minor."""
-    try:
-        minor = tuple(int(part) for part in version.split(".")[:2])
-    except ValueError:
-        minor = ()
-    if minor != PINNED_MINOR:
-        pinned = ".".join(map(str, PINNED_MINOR))
-        raise RuntimeError(
-            f"rlserve is written against vLLM {pinned}.x, this is vLLM {version}: re-check every reach "
-            f"into its internals before changing the pin ({'; '.join(REACHES)}), and the worker side's "
-            "(rlserve.worker.vllm_compat)"
-        )
+    check_vllm_version(version, REACHES, other_side="rlserve.worker.vllm_compat")
 
 
 check_version(vllm.__version__)

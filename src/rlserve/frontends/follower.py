@@ -92,7 +92,7 @@ class LeaderLink:
                 elif isinstance(message, p.AbortRequests):
                     self.on_abort(message)
                 else:
-                    reply = self._replies.pop(message.seq, None)  # type: ignore[union-attr]
+                    reply = self._replies.pop(message.seq, None)  # type: ignore[union-attr]  # every other message kind is a reply with a seq
                     if reply is not None and not reply.done():
                         reply.set_result(message)
         finally:

@@ -67,7 +67,7 @@ def plan_patch(
         blob = patch.encode(tensor, indices) if indices is not None else None
         meta = TensorMeta(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor_checksum(tensor))
         if blob is not None:
-            meta = dataclasses.replace(meta, num_changed=indices.numel())  # type: ignore[union-attr]
+            meta = dataclasses.replace(meta, num_changed=indices.numel())  # type: ignore[union-attr]  # a blob exists only with indices
         payload[name] = tensor if blob is None else blob
         metas.append(meta)
     return payload, _plan_chunks(metas, chunk_bytes, bucket_bytes, base_weight_version)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,9 +26,11 @@ class GlooGroup:
         self._store = store
         timeout = datetime.timedelta(seconds=timeout_s)
         if local_address is None:
-            self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            # Any: torch's stubs lack ProcessGroupGloo's collectives (allreduce, broadcast).
+            self._pg: Any = dist.ProcessGroupGloo(store, rank, world_size, timeout)
             return
-        options = dist.ProcessGroupGloo._Options()
+        # Private, and the only way to bind gloo to one address (named in worker.vllm_compat).
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, no stub
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address)]
         self._pg = dist.ProcessGroupGloo(store, rank, world_size, options)
@@ -71,7 +74,7 @@ class GlooGroup:
     def allreduce_min(self, tensor: torch.Tensor) -> None:
         """In place, on every member; blocks until done or the deadline."""
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
+        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # torch's stub types members as RedOpType
         self._pg.allreduce([tensor], opts).wait()
 
     def broadcast_async(self, buffer: torch.Tensor) -> dist.Work:

@@ -75,7 +75,9 @@ def _is_dim(value: object) -> bool:
 _LORA_TENSOR = re.compile(r"base_model\.model\.(?P<base>.+)\.lora_(?P<part>[AB])\.weight")
 
 
-def lora_tensor_misfit(name: str, shape: tuple[int, ...], checkpoint: dict[str, ManifestEntry], max_rank: int) -> str:
+def lora_tensor_misfit(
+    name: str, shape: tuple[int, ...], checkpoint: Mapping[str, ManifestEntry], max_rank: int
+) -> str:
     """What is wrong with one adapter tensor (PEFT name, A: [r, in], B: [out, r]) for a
     checkpoint; empty when nothing is."""
     match = _LORA_TENSOR.fullmatch(name)
@@ -95,7 +97,7 @@ def lora_tensor_misfit(name: str, shape: tuple[int, ...], checkpoint: dict[str, 
     return ""
 
 
-def lora_misfit(tensors: dict[str, ManifestEntry], checkpoint: dict[str, ManifestEntry], max_rank: int) -> str:
+def lora_misfit(tensors: Mapping[str, ManifestEntry], checkpoint: Mapping[str, ManifestEntry], max_rank: int) -> str:
     """What is wrong with a whole adapter: each tensor, and each layer's A and B of one rank."""
     ranks: dict[str, dict[str, int]] = {}
     for name, entry in sorted(tensors.items()):
@@ -111,7 +113,7 @@ def lora_misfit(tensors: dict[str, ManifestEntry], checkpoint: dict[str, Manifes
     return "" if ranks else "the adapter has no LoRA weights"
 
 
-def lora_config_misfit(config: Mapping[str, Any], tensors: dict[str, ManifestEntry]) -> str:
+def lora_config_misfit(config: Mapping[str, Any], tensors: Mapping[str, ManifestEntry]) -> str:
     """What in an adapter_config contradicts its tensors: its rank `r` (unless a rank_pattern
     sets ranks per layer) and a finite `lora_alpha` (the scale is alpha / r)."""
     rank = config.get("r")
@@ -125,7 +127,7 @@ def lora_config_misfit(config: Mapping[str, Any], tensors: dict[str, ManifestEnt
     return ""
 
 
-def lora_files_misfit(adapter_dir: Path, checkpoint: dict[str, ManifestEntry], max_rank: int) -> str:
+def lora_files_misfit(adapter_dir: Path, checkpoint: Mapping[str, ManifestEntry], max_rank: int) -> str:
     """What is wrong with an adapter directory on disk against the served checkpoint: its
     tensors' headers, then its adapter_config.json (one vLLM cannot read is left for vLLM to
     name). Raises OSError / ValueError when there are no readable adapter weights."""

@@ -23,8 +23,8 @@ from rlserve.worker.shadow import ShadowUpdate
 from rlserve.worker.shm_link import ShmLink
 
 
-class _RlserveEngine(WeightTransferEngine):  # type: ignore[type-var]
-    update_info_cls = ChunkInfo  # type: ignore[assignment]
+class _RlserveEngine(WeightTransferEngine):  # type: ignore[type-var]  # vLLM bounds its info types to its own
+    update_info_cls = ChunkInfo  # type: ignore[assignment]  # rlserve's own info type, parsed by vLLM by class
     supports_draft_weight_update = False
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
@@ -78,7 +78,7 @@ class _RlserveEngine(WeightTransferEngine):  # type: ignore[type-var]
 
 
 class GlooWeightTransferEngine(_RlserveEngine):
-    init_info_cls = InitInfo  # type: ignore[assignment]
+    init_info_cls = InitInfo  # type: ignore[assignment]  # as update_info_cls
 
     def parse_transport_init(self, raw: dict[str, Any], max_timeout_s: float) -> InitInfo:
         return InitInfo.parse(raw, max_timeout_s)
@@ -88,7 +88,7 @@ class GlooWeightTransferEngine(_RlserveEngine):
 
 
 class ShmWeightTransferEngine(_RlserveEngine):
-    init_info_cls = ShmInit  # type: ignore[assignment]
+    init_info_cls = ShmInit  # type: ignore[assignment]  # as update_info_cls
 
     def parse_transport_init(self, raw: dict[str, Any], max_timeout_s: float) -> ShmInit:
         return ShmInit.parse(raw, max_timeout_s)

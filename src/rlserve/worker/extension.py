@@ -16,6 +16,7 @@ from typing import Any
 
 from rlserve.wire.manifest import read_manifest
 from rlserve.wire.protocol import ChunkInfo, ErrorCode, ProtocolError, Reply, WorkerError
+from rlserve.worker import vllm_compat
 from rlserve.worker.notifier import Notifier
 from rlserve.worker.served import ServedWeights
 from rlserve.worker.shadow import ShadowUpdate
@@ -60,7 +61,7 @@ class RlserveWorkerExtension:
 
     def rlserve_begin_lora_session(self) -> dict:
         """A session whose chunks make a LoRA adapter (up to the engine's max LoRA rank)."""
-        lora = self.vllm_config.lora_config
+        lora = vllm_compat.worker_vllm_config(self).lora_config
         if lora is None:
             return Reply.failure(ErrorCode.WRONG_STATE, "LoRA is off in this engine").to_dict()
         return _run(lambda: self._rlserve_receiver().start_session(lora_max_rank=lora.max_lora_rank))
@@ -93,7 +94,7 @@ class RlserveWorkerExtension:
         from vllm.config import set_current_vllm_config
 
         def prepare() -> Reply:
-            with set_current_vllm_config(self.vllm_config):
+            with set_current_vllm_config(vllm_compat.worker_vllm_config(self)):
                 return Reply(True, data={"num_tensors": self._rlserve_receiver().prepare()})
 
         return _run(prepare)
@@ -103,12 +104,10 @@ class RlserveWorkerExtension:
         from vllm.config import set_current_vllm_config
 
         def commit() -> None:
-            with set_current_vllm_config(self.vllm_config):
+            with set_current_vllm_config(vllm_compat.worker_vllm_config(self)):
                 self._rlserve_receiver().commit()
             # As vLLM's own finish does: loaded weights bypass the model runner's reload.
-            reset_lora = getattr(self.model_runner, "reset_lora_state", None)
-            if reset_lora is not None:
-                reset_lora()
+            vllm_compat.reset_lora_state(self)
 
         return _run(commit)
 
@@ -136,16 +135,18 @@ class RlserveWorkerExtension:
 
     def _rlserve_served(self) -> ServedWeights:
         """This worker's served-weight digests, kept between calls (cached until a commit)."""
-        served = getattr(self, "_rlserve_served_weights", None)
+        served = vllm_compat.parked(self, "served_weights")
         if served is None:
-            model = self.model_runner.get_model()
-            names = read_manifest(self.vllm_config.model_config.model)
-            served = ServedWeights(model, names, self.vllm_config.parallel_config.tensor_parallel_size)
-            self._rlserve_served_weights = served
+            model = vllm_compat.worker_model(self)
+            names = read_manifest(vllm_compat.worker_vllm_config(self).model_config.model)
+            served = ServedWeights(
+                model, names, vllm_compat.worker_vllm_config(self).parallel_config.tensor_parallel_size
+            )
+            vllm_compat.park(self, "served_weights", served)
         return served
 
     def _rlserve_engine(self) -> Any:
-        engine = getattr(self, "weight_transfer_engine", None)
+        engine = vllm_compat.worker_transfer_engine(self)
         if engine is None or not hasattr(engine, "receiver"):
             raise WorkerError(ErrorCode.WRONG_STATE, "the worker's weight-transfer backend is not one of rlserve's")
         return engine

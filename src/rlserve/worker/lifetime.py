@@ -5,9 +5,8 @@ ends, however that one ended.
 vLLM's workers watch their engine core (a pipe), but the engine core does not watch the
 frontend: a frontend killed with SIGKILL (an OOM kill, a Ray actor torn down, `kill -9`)
 leaves the engine core and its workers running, holding the model's memory and cores, with
-nothing left to talk to. Here each such process polls its parent id (it changes when the
-parent is gone and the process is re-parented); once it changes, the process is sent
-SIGTERM, which vLLM handles as a shutdown (its workers follow through their pipe), and
+nothing left to talk to. Here each such process watches its parent (`rlserve.parent`); once
+that is gone, the process is sent SIGTERM, which vLLM handles as a shutdown (its workers follow through their pipe), and
 SIGKILL if it is still there `GRACE_S` later.
 """
 
@@ -20,9 +19,10 @@ import signal
 import threading
 import time
 
+from rlserve.parent import wait_for_parent_exit
+
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.5
 GRACE_S = 10.0
 _started = threading.Event()
 
@@ -39,8 +39,7 @@ def register() -> None:
 
 
 def _exit_with_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(POLL_S)
+    wait_for_parent_exit(parent)
     logger.warning("process %d that started this one (%d) is gone: shutting down", parent, os.getpid())
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(GRACE_S)

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -201,8 +202,9 @@ def _output_sizes(module: torch.nn.Module, num_members: int, module_name: str) -
     return sizes
 
 
-def _read_kernel(module: torch.nn.Module) -> torch.Tensor:
-    """W (out x in) as the layer's kernel computes it: rows of the identity through it."""
+def _read_kernel(module: Any) -> torch.Tensor:
+    """W (out x in) as the layer's kernel computes it: rows of the identity through it.
+    `module`: a vLLM linear or embedding layer (attributes torch's Module type cannot see)."""
     weight = module.weight
     out_features = getattr(module, "output_size_per_partition", None) or module.num_embeddings_per_partition
     in_features = getattr(module, "input_size_per_partition", None) or module.embedding_dim

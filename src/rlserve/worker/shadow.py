@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from rlserve.wire.protocol import ErrorCode, WorkerError
+from rlserve.worker import vllm_compat
 from rlserve.worker.served import ServedWeights
 
 # A module's own tensor and child tables: a shadow has its own, everything else is shared.
@@ -63,7 +64,7 @@ class ShadowUpdate:
         is now complete (and install it, in place). The tensors may be reused afterwards."""
         if not tensors:
             return
-        self._root.load_weights(iter(tensors.items()))  # type: ignore[operator]
+        self._root.load_weights(iter(tensors.items()))  # type: ignore[operator]  # the model's load_weights, which torch's Module type does not know
         self._arrived.update(tensors)
         for layer in sorted({self._served.layer_of(name) for name in tensors}):
             if self._served.members(layer) <= self._arrived:
@@ -155,9 +156,7 @@ def _shadow_tree(module: torch.nn.Module, memo: dict[int, torch.nn.Module]) -> t
 def _model_format(module: torch.nn.Module) -> tuple[dict, dict, torch.device]:
     """The module's tensors as the checkpoint loads them (vLLM's record from model load),
     and those it did not record (a bias, added after the weights were created) as served."""
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-    info = get_layerwise_info(module)
+    info = vllm_compat.layerwise_info(module)
     recorded_params, recorded_buffers = info.restore_metadata
     params = {n: t for n, t in module._parameters.items() if t is not None}
     buffers = {n: t for n, t in module._buffers.items() if t is not None}
@@ -177,9 +176,7 @@ def _lazy(
     meta = _like(template, "meta", shadow, live)
     original = getattr(meta, "weight_loader", None)
     if original is None:
-        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-        original = default_weight_loader
+        original = vllm_compat.default_weight_loader()
     signature = inspect.signature(original)
     target = "param" if "param" in signature.parameters else next(iter(signature.parameters))
 
@@ -200,15 +197,13 @@ def _lazy(
 def _like(template: torch.Tensor, device: torch.device | str, shadow: torch.nn.Module, live: torch.nn.Module):
     """An uninitialized tensor shaped as `template`, of its class and with its attributes;
     methods bound to the served module (or to vLLM's placeholder for it) bound to `shadow`."""
-    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
-
     tensor = torch.empty_strided(tuple(template.size()), tuple(template.stride()), dtype=template.dtype, device=device)
     tensor.__class__ = template.__class__
     tensor.__dict__ = dict(template.__dict__)
     for key, value in tensor.__dict__.items():
         if isinstance(value, MethodType) and value.__self__ is live:
             tensor.__dict__[key] = value.__func__.__get__(shadow)
-    return restore_layer_refs(tensor, shadow)
+    return vllm_compat.restore_layer_refs(tensor, shadow)
 
 
 def _fill_unloaded(shadow: torch.nn.Module, live: torch.nn.Module, layer: str) -> None:
@@ -229,7 +224,7 @@ def _post_load(layer: torch.nn.Module) -> None:
     """vLLM's processing after a layer's weights are loaded (on CPU: pack the GEMM kernel)."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-    layer.__dict__.pop("_already_called_process_weights_after_loading", None)
+    vllm_compat.forget_weights_processed(layer)
     method = getattr(layer, "quant_method", None)
     if isinstance(method, QuantizeMethodBase):
         method.process_weights_after_loading(layer)

@@ -25,7 +25,7 @@ class SegmentFile:
     def read_into(self, target: torch.Tensor, offset: int) -> None:
         """Fill `target` (contiguous uint8) with the segment's bytes from `offset`. Raises
         WorkerError when the segment ends first (the trainer shrank it)."""
-        view = memoryview(target.numpy()).cast("B")
+        view = target.numpy().data.cast("B")
         done = 0
         while done < len(view):
             n = os.preadv(self._fd, [view[done:]], offset + done)
