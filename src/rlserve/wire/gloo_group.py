@@ -3,16 +3,55 @@ its own TCPStore so it never touches a process's default torch.distributed group
 
 Every rendezvous and every collective carries a deadline; a peer that dies surfaces as an
 error at once (connection closed) or at the deadline, never as a hang.
+
+torch's privates that this needs are named in one place, below (`TORCH_PRIVATES`): this
+module is shared by the trainer and the workers, so they stay here rather than in
+`rlserve.worker.vllm_compat`, which lists them in its refusal of another vLLM (vLLM pins torch).
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
-from typing import Any
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
+
+# torch's privates ------------------------------------------------------------------------
+
+TORCH_PRIVATES = (
+    "torch.distributed.ProcessGroupGloo._Options with _timeout and _devices (a gloo group bound to one "
+    "address, wire/gloo_group)",
+    "ProcessGroupGloo's own allreduce / broadcast, outside torch.distributed's default group (wire/gloo_group)",
+)
+
+
+class _GlooBackend(Protocol):
+    """The collectives rlserve calls on its gloo backend itself: torch.distributed's functions
+    act on groups of the process's default world, which this group is not part of. torch's
+    stub declares neither method (the backend has both)."""
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> dist.Work: ...
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> dist.Work: ...
+
+
+def _gloo_backend(
+    store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta, local_address: str | None
+) -> _GlooBackend:
+    """A gloo backend over `store`, listening where gloo's default device does, or on
+    `local_address`. torch binds gloo to an address only through `_Options` (its stub calls
+    the class `Options`, with `devices`: at runtime `Options` is the base class, without them);
+    if torch renames it, joining a group with a local address raises AttributeError."""
+    if local_address is None:
+        backend = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    else:
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, missing from the stub
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address)]
+        backend = dist.ProcessGroupGloo(store, rank, world_size, options)
+    return cast(_GlooBackend, backend)  # the stub lacks the collectives the backend has (see _GlooBackend)
 
 
 class GlooGroup:
@@ -24,16 +63,7 @@ class GlooGroup:
         host name resolves to, often 127.0.0.1: unreachable from any other host)."""
         self.rank, self.world_size = rank, world_size
         self._store = store
-        timeout = datetime.timedelta(seconds=timeout_s)
-        if local_address is None:
-            # Any: torch's stubs lack ProcessGroupGloo's collectives (allreduce, broadcast).
-            self._pg: Any = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-            return
-        # Private, and the only way to bind gloo to one address (named in worker.vllm_compat).
-        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, no stub
-        options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address)]
-        self._pg = dist.ProcessGroupGloo(store, rank, world_size, options)
+        self._pg = _gloo_backend(store, rank, world_size, datetime.timedelta(seconds=timeout_s), local_address)
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> GlooGroup:
@@ -74,7 +104,7 @@ class GlooGroup:
     def allreduce_min(self, tensor: torch.Tensor) -> None:
         """In place, on every member; blocks until done or the deadline."""
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # torch's stub types members as RedOpType
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
         self._pg.allreduce([tensor], opts).wait()
 
     def broadcast_async(self, buffer: torch.Tensor) -> dist.Work:

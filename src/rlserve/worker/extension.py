@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
 
 from rlserve.wire.manifest import read_manifest
 from rlserve.wire.protocol import ChunkInfo, ErrorCode, ProtocolError, Reply, WorkerError
@@ -21,11 +23,34 @@ from rlserve.worker.notifier import Notifier
 from rlserve.worker.served import ServedWeights
 from rlserve.worker.shadow import ShadowUpdate
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from rlserve.worker.receiver import Receiver
+
 logger = logging.getLogger(__name__)
 
 
+@runtime_checkable
+class RlserveBackend(Protocol):
+    """What the extension uses of the worker's weight-transfer engine when it is one of
+    rlserve's (`rlserve.worker.engines`)."""
+
+    receiver: Receiver
+    model: torch.nn.Module
+
+    def parse_transport_init(self, raw: dict[str, Any], max_timeout_s: float) -> Any: ...
+
+    def connect(self, info: Any, op: str | None = None) -> None: ...
+
+
 class RlserveWorkerExtension:
-    """Mixed into vLLM's Worker class; `self` is the worker."""
+    """Mixed into vLLM's Worker class; `self` is the worker (`vllm_compat.VllmWorker`)."""
+
+    # The worker's, declared for the type checker: vLLM's check for names the extension would
+    # shadow reads the class's attributes, which annotations do not make.
+    vllm_config: VllmConfig
+    model_runner: Any
 
     def rlserve_begin_init(self, op: str, notify_address: str, init_info: dict[str, Any], timeout_s: float) -> dict:
         """Start connecting to the trainer (joining its gloo group, or mapping its shared
@@ -91,20 +116,18 @@ class RlserveWorkerExtension:
 
     def rlserve_prepare(self) -> dict:
         """Complete and process the staged layers, so that the commit only swaps."""
-        from vllm.config import set_current_vllm_config
 
         def prepare() -> Reply:
-            with set_current_vllm_config(vllm_compat.worker_vllm_config(self)):
+            with vllm_compat.current_config(self):
                 return Reply(True, data={"num_tensors": self._rlserve_receiver().prepare()})
 
         return _run(prepare)
 
     def rlserve_commit(self) -> dict:
         """Swap the update in (on the engine loop: the engine is paused)."""
-        from vllm.config import set_current_vllm_config
 
         def commit() -> None:
-            with set_current_vllm_config(vllm_compat.worker_vllm_config(self)):
+            with vllm_compat.current_config(self):
                 self._rlserve_receiver().commit()
             # As vLLM's own finish does: loaded weights bypass the model runner's reload.
             vllm_compat.reset_lora_state(self)
@@ -136,22 +159,20 @@ class RlserveWorkerExtension:
     def _rlserve_served(self) -> ServedWeights:
         """This worker's served-weight digests, kept between calls (cached until a commit)."""
         served = vllm_compat.parked(self, "served_weights")
-        if served is None:
-            model = vllm_compat.worker_model(self)
-            names = read_manifest(vllm_compat.worker_vllm_config(self).model_config.model)
-            served = ServedWeights(
-                model, names, vllm_compat.worker_vllm_config(self).parallel_config.tensor_parallel_size
-            )
+        if not isinstance(served, ServedWeights):
+            config = vllm_compat.worker_vllm_config(self)
+            names = read_manifest(config.model_config.model)
+            served = ServedWeights(vllm_compat.worker_model(self), names, config.parallel_config.tensor_parallel_size)
             vllm_compat.park(self, "served_weights", served)
         return served
 
-    def _rlserve_engine(self) -> Any:
+    def _rlserve_engine(self) -> RlserveBackend:
         engine = vllm_compat.worker_transfer_engine(self)
-        if engine is None or not hasattr(engine, "receiver"):
+        if not isinstance(engine, RlserveBackend):
             raise WorkerError(ErrorCode.WRONG_STATE, "the worker's weight-transfer backend is not one of rlserve's")
         return engine
 
-    def _rlserve_receiver(self) -> Any:
+    def _rlserve_receiver(self) -> Receiver:
         return self._rlserve_engine().receiver
 
 

@@ -15,11 +15,11 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from rlserve.wire.protocol import ErrorCode, WorkerError, combined_checksum, tensor_checksum
+from rlserve.worker import vllm_compat
 
 # Rows of the identity fed to a packed kernel at once: bounds the probe's scratch memory.
 PROBE_BLOCK_ELEMENTS = 1 << 24
@@ -43,7 +43,7 @@ class ServedWeights:
         if tensor_parallel_size != 1:
             raise WorkerError(ErrorCode.UNSUPPORTED, "served-weight digests need tensor_parallel_size 1")
         self._names = frozenset(checkpoint_names)
-        if any(name.endswith(".base_layer") for name, _ in model.named_modules()):
+        if vllm_compat.is_wrapped_for_lora(model):
             raise WorkerError(
                 ErrorCode.UNSUPPORTED,
                 "the base weights of a server started with --enable-lora cannot be updated or digested "
@@ -148,27 +148,25 @@ class ServedWeights:
 
 
 def _find_sites(model: torch.nn.Module, names: frozenset[str]) -> dict[str, list[Site]]:
-    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import (
-        ParallelLMHead,
-        UnquantizedEmbeddingMethod,
-        VocabParallelEmbedding,
-    )
+    def site(
+        name: str,
+        module_name: str,
+        module: torch.nn.Module,
+        param_name: str,
+        rows: slice | None,
+        is_alias: bool = False,
+    ) -> Site:
+        if rows is None:
+            rows = vllm_compat.served_vocabulary_rows(module)
+        via_kernel = param_name == "weight" and vllm_compat.has_packed_kernel(module)
+        return Site(name, module_name, module, param_name, rows, via_kernel, is_alias)
 
-    def site(name: str, module_name: str, module: torch.nn.Module, param_name: str, rows: slice | None, **kw):
-        # On CPU a linear layer or an lm_head computes with a packed copy of its weight.
-        kernel = hasattr(module, "cpu_linear") and isinstance(module, (LinearBase, ParallelLMHead))
-        if rows is None and isinstance(module, VocabParallelEmbedding):
-            rows = slice(0, module.org_vocab_size)  # the rest is vocabulary padding
-        return Site(name, module_name, module, param_name, rows, kernel and param_name == "weight", **kw)
-
-    packed = dict(getattr(type(model), "packed_modules_mapping", None) or {})
+    packed = vllm_compat.fused_members(model)
     sites: dict[str, list[Site]] = {}
     loaded_by: dict[int, str] = {}  # id(parameter) -> the checkpoint tensor loaded into it
     unclaimed: list[tuple[str, torch.nn.Module, str, torch.nn.Parameter]] = []
     for module_name, module in model.named_modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None and not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+        if vllm_compat.is_quantized(module):
             raise WorkerError(ErrorCode.UNSUPPORTED, f"{module_name} is quantized; its weights cannot be digested")
         prefix, _, last = module_name.rpartition(".")
         for param_name, param in module.named_parameters(recurse=False):
@@ -196,18 +194,16 @@ def _find_sites(model: torch.nn.Module, names: frozenset[str]) -> dict[str, list
 
 
 def _output_sizes(module: torch.nn.Module, num_members: int, module_name: str) -> list[int]:
-    sizes = list(getattr(module, "output_sizes", None) or ())
+    sizes = vllm_compat.fused_output_sizes(module)
     if len(sizes) != num_members:
         raise WorkerError(ErrorCode.UNSUPPORTED, f"cannot split the fused layer {module_name} into its members")
     return sizes
 
 
-def _read_kernel(module: Any) -> torch.Tensor:
-    """W (out x in) as the layer's kernel computes it: rows of the identity through it.
-    `module`: a vLLM linear or embedding layer (attributes torch's Module type cannot see)."""
-    weight = module.weight
-    out_features = getattr(module, "output_size_per_partition", None) or module.num_embeddings_per_partition
-    in_features = getattr(module, "input_size_per_partition", None) or module.embedding_dim
+def _read_kernel(module: torch.nn.Module) -> torch.Tensor:
+    """W (out x in) as the layer's kernel computes it: rows of the identity through it."""
+    weight = vllm_compat.kernel_weight(module)
+    out_features, in_features = vllm_compat.kernel_shape(module)
     result = torch.empty(out_features, in_features, dtype=weight.dtype)
     block = max(1, min(in_features, PROBE_BLOCK_ELEMENTS // max(out_features, in_features)))
     with torch.no_grad():
@@ -215,5 +211,5 @@ def _read_kernel(module: Any) -> torch.Tensor:
             stop = min(in_features, start + block)
             eye = torch.zeros(stop - start, in_features, dtype=weight.dtype)
             eye[torch.arange(stop - start), torch.arange(start, stop)] = 1
-            result[:, start:stop] = module.cpu_linear(eye, weight, None).t().to(weight.dtype)
+            result[:, start:stop] = vllm_compat.run_packed_kernel(module, eye, weight).t().to(weight.dtype)
     return result

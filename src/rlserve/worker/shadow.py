@@ -32,9 +32,10 @@ import torch
 from rlserve.wire.protocol import ErrorCode, WorkerError
 from rlserve.worker import vllm_compat
 from rlserve.worker.served import ServedWeights
+from rlserve.worker.vllm_compat import BUFFERS, CHILDREN, MODULE_TABLES, PARAMETERS, TENSOR_TABLES, set_table, table
 
-# A module's own tensor and child tables: a shadow has its own, everything else is shared.
-_TABLES = ("_parameters", "_buffers", "_modules")
+# A shadow has its own tensor and child tables (vllm_compat.MODULE_TABLES); everything else in
+# its __dict__ is shared with the served module until the commit moves it over.
 _MISSING = object()
 
 
@@ -64,7 +65,7 @@ class ShadowUpdate:
         is now complete (and install it, in place). The tensors may be reused afterwards."""
         if not tensors:
             return
-        self._root.load_weights(iter(tensors.items()))  # type: ignore[operator]  # the model's load_weights, which torch's Module type does not know
+        vllm_compat.load_checkpoint_weights(self._root, tensors)
         self._arrived.update(tensors)
         for layer in sorted({self._served.layer_of(name) for name in tensors}):
             if self._served.members(layer) <= self._arrived:
@@ -106,7 +107,7 @@ class ShadowUpdate:
     def _process(self, layer: str) -> None:
         shadow = self._shadow[layer]
         _fill_unloaded(shadow, self._live[layer], layer)
-        _post_load(shadow)
+        vllm_compat.process_after_loading(shadow)
         done = [layer]
         self._ready[layer] = shadow
         self._processed.add(layer)
@@ -114,15 +115,17 @@ class ShadowUpdate:
             # A module serving this layer's tensor (a tied lm_head): its own processing of it.
             served = self._live[alias]
             tied = copy.copy(served)
-            tied.__dict__["_parameters"] = {**served._parameters, alias_param: shadow._parameters[owner_param]}
-            tied.__dict__["_buffers"] = dict(served._buffers)
-            _post_load(tied)
+            own = {**table(served, PARAMETERS), alias_param: table(shadow, PARAMETERS)[owner_param]}
+            set_table(tied, PARAMETERS, own)
+            set_table(tied, BUFFERS, dict(table(served, BUFFERS)))
+            vllm_compat.process_after_loading(tied)
             self._ready[alias] = tied
             done.append(alias)
         if self._in_place:
             self._install(done)
             # Live now: the shadow's tensors are not needed (no later tensor loads into it).
-            shadow.__dict__["_parameters"], shadow.__dict__["_buffers"] = {}, {}
+            for name in TENSOR_TABLES:
+                set_table(shadow, name, {})
 
     def _install(self, layers: list[str]) -> None:
         copied: set[int] = set()
@@ -143,30 +146,30 @@ def _shadow_tree(module: torch.nn.Module, memo: dict[int, torch.nn.Module]) -> t
         return found
     shadow = copy.copy(module)
     memo[id(module)] = shadow
-    shadow.__dict__["_modules"] = {
-        name: None if child is None else _shadow_tree(child, memo) for name, child in module._modules.items()
+    children = {
+        name: None if child is None else _shadow_tree(child, memo) for name, child in table(module, CHILDREN).items()
     }
-    shadow.__dict__["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
+    set_table(shadow, CHILDREN, children)
+    vllm_compat.copy_buffer_persistence(shadow, module)
     params, buffers, device = _model_format(module)
-    shadow.__dict__["_parameters"] = {n: _lazy(shadow, module, "_parameters", n, t, device) for n, t in params.items()}
-    shadow.__dict__["_buffers"] = {n: _lazy(shadow, module, "_buffers", n, t, device) for n, t in buffers.items()}
+    set_table(shadow, PARAMETERS, {n: _lazy(shadow, module, PARAMETERS, n, t, device) for n, t in params.items()})
+    set_table(shadow, BUFFERS, {n: _lazy(shadow, module, BUFFERS, n, t, device) for n, t in buffers.items()})
     return shadow
 
 
-def _model_format(module: torch.nn.Module) -> tuple[dict, dict, torch.device]:
+def _model_format(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.device]:
     """The module's tensors as the checkpoint loads them (vLLM's record from model load),
     and those it did not record (a bias, added after the weights were created) as served."""
-    info = vllm_compat.layerwise_info(module)
-    recorded_params, recorded_buffers = info.restore_metadata
-    params = {n: t for n, t in module._parameters.items() if t is not None}
-    buffers = {n: t for n, t in module._buffers.items() if t is not None}
-    return {**params, **recorded_params}, {**buffers, **recorded_buffers}, info.restore_device
+    recorded_params, recorded_buffers, device = vllm_compat.recorded_format(module)
+    params = {n: t for n, t in table(module, PARAMETERS).items() if t is not None}
+    buffers = {n: t for n, t in table(module, BUFFERS).items() if t is not None}
+    return {**params, **recorded_params}, {**buffers, **recorded_buffers}, device
 
 
 def _lazy(
     shadow: torch.nn.Module,
     live: torch.nn.Module,
-    table: str,
+    kind: str,
     name: str,
     template: torch.Tensor,
     device: torch.device,
@@ -174,27 +177,28 @@ def _lazy(
     """A meta stand-in for one of `shadow`'s tensors whose weight loader gives it memory of
     its own on first use, then loads into that."""
     meta = _like(template, "meta", shadow, live)
-    original = getattr(meta, "weight_loader", None)
-    if original is None:
-        original = vllm_compat.default_weight_loader()
+    original = vllm_compat.weight_loader_of(meta)
     signature = inspect.signature(original)
     target = "param" if "param" in signature.parameters else next(iter(signature.parameters))
 
     def load_into_shadow(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
-        real = shadow.__dict__[table][name]
+        tensors = table(shadow, kind)
+        real = tensors[name]
         if real.is_meta:
             real = _like(meta, device, shadow, live)
-            real.weight_loader = original
-            shadow.__dict__[table][name] = real
+            vllm_compat.set_weight_loader(real, original)
+            tensors[name] = real
         bound.arguments[target] = real
         return original(*bound.args, **bound.kwargs)
 
-    meta.weight_loader = load_into_shadow
+    vllm_compat.set_weight_loader(meta, load_into_shadow)
     return meta
 
 
-def _like(template: torch.Tensor, device: torch.device | str, shadow: torch.nn.Module, live: torch.nn.Module):
+def _like(
+    template: torch.Tensor, device: torch.device | str, shadow: torch.nn.Module, live: torch.nn.Module
+) -> torch.Tensor:
     """An uninitialized tensor shaped as `template`, of its class and with its attributes;
     methods bound to the served module (or to vLLM's placeholder for it) bound to `shadow`."""
     tensor = torch.empty_strided(tuple(template.size()), tuple(template.stride()), dtype=template.dtype, device=device)
@@ -209,33 +213,23 @@ def _like(template: torch.Tensor, device: torch.device | str, shadow: torch.nn.M
 def _fill_unloaded(shadow: torch.nn.Module, live: torch.nn.Module, layer: str) -> None:
     """A tensor of a complete layer that no checkpoint tensor wrote (a buffer the checkpoint
     does not carry) keeps its served value; one that has none cannot be built."""
-    for table in ("_parameters", "_buffers"):
-        tensors = shadow.__dict__[table]
+    for kind in TENSOR_TABLES:
+        tensors = table(shadow, kind)
         for name, tensor in tensors.items():
             if not tensor.is_meta:
                 continue
-            served = live.__dict__[table].get(name)
+            served = table(live, kind).get(name)
             if served is None or served.is_meta or served.shape != tensor.shape:
                 raise WorkerError(ErrorCode.UNSUPPORTED, f"{layer}.{name} is not loaded by any checkpoint tensor")
             tensors[name] = served.detach().clone()
 
 
-def _post_load(layer: torch.nn.Module) -> None:
-    """vLLM's processing after a layer's weights are loaded (on CPU: pack the GEMM kernel)."""
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-    vllm_compat.forget_weights_processed(layer)
-    method = getattr(layer, "quant_method", None)
-    if isinstance(method, QuantizeMethodBase):
-        method.process_weights_after_loading(layer)
-
-
 def _install(live: torch.nn.Module, shadow: torch.nn.Module, copied: set[int]) -> None:
     """Make `live` serve what `shadow` holds. Copies into the served storage (`copied`: the
     served tensors written already, a tensor two modules share is written once)."""
-    for table in ("_parameters", "_buffers"):
-        served: dict[str, Any] = live.__dict__[table]
-        for name, new in shadow.__dict__[table].items():
+    for kind in TENSOR_TABLES:
+        served = table(live, kind)
+        for name, new in table(shadow, kind).items():
             old = served.get(name)
             if new is None or new is old:
                 continue
@@ -246,5 +240,5 @@ def _install(live: torch.nn.Module, shadow: torch.nn.Module, copied: set[int]) -
             else:
                 served[name] = new
     for key, value in shadow.__dict__.items():
-        if key not in _TABLES and live.__dict__.get(key, _MISSING) is not value:
+        if key not in MODULE_TABLES and live.__dict__.get(key, _MISSING) is not value:
             live.__dict__[key] = value

@@ -12,17 +12,12 @@ The patch itself is a reach into vLLM's model runner: `rlserve.worker.vllm_compa
 
 from __future__ import annotations
 
-import sys
-
 
 def register() -> None:
-    # A worker loads general plugins from worker_base; other processes need no mend.
-    if "vllm.v1.worker.worker_base" not in sys.modules:
-        return
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
+    # Imported here, not at the top: vLLM loads a plugin's module in a try that only logs, and
+    # calls register() outside it, so another vLLM minor stops the process here, loudly.
     from rlserve.worker import vllm_compat
 
-    vllm_compat.install_cpu_seeded_sampling()
+    # Other processes than a CPU worker need no mend.
+    if vllm_compat.is_worker_process() and vllm_compat.is_cpu_platform():
+        vllm_compat.install_cpu_seeded_sampling()
