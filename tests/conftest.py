@@ -1,15 +1,17 @@
-"""Shared fixtures: one tiny random-weight model; per session one real vLLM CPU engine with a
-real gRPC server on 127.0.0.1:0 in front of it, and one engine with the rlserve_gloo
-weight-transfer backend that the weight-transfer modules serve with servers of their own."""
+"""Shared fixtures: one tiny random-weight model; per session one real vLLM CPU engine per
+distinct configuration (`Engines`: the plain one behind a real gRPC server on 127.0.0.1:0, one
+with the rlserve_gloo weight-transfer backend that the weight-transfer modules serve with
+servers of their own, ...), and the reference engine the comparisons reload checkpoints into."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -71,31 +73,104 @@ def engine_config(tiny_model_dir: Path) -> EngineConfig:
     )
 
 
-@pytest_asyncio.fixture(scope="session")
-async def engine(engine_config: EngineConfig):
-    from rlserve.engine.adapter import EngineAdapter
+class Engines:
+    """One real engine per distinct configuration, started on first use and shared by every
+    module that asks for that configuration, shut down when the session ends (an engine starts
+    in tens of seconds on two cores). Weights a module syncs stay served after it: a module that
+    needs the checkpoint's weights first syncs them itself.
 
-    adapter = await asyncio.to_thread(EngineAdapter.start, engine_config)
-    yield adapter
-    adapter.shutdown()
+    Every engine accepts pickled callables, so that a module can reach into a worker with
+    `collective_rpc(callable)` to stage an edge a real engine never reaches by itself; no test
+    relies on an engine refusing them. Servers the tests start as processes of their own
+    (`rlserve serve`, the demo, fleets in namespaces, Ray) run as in production, without it."""
+
+    def __init__(self, base: EngineConfig) -> None:
+        _pickle_in_this_process()
+        self._base = base
+        self._started: dict[tuple, Any] = {}  # by the overrides (EngineConfig holds dicts)
+        self._lock = asyncio.Lock()
+
+    async def get(self, **overrides: Any) -> Any:
+        """The session's engine (an EngineAdapter) for the base config with `overrides`."""
+        from rlserve.engine.adapter import EngineAdapter
+
+        config, key = replace(self._base, **overrides), tuple(sorted(overrides.items()))
+        async with self._lock:
+            if key not in self._started:
+                with _insecure_serialization():
+                    self._started[key] = await asyncio.to_thread(EngineAdapter.start, config)
+            return self._started[key]
+
+    @contextlib.asynccontextmanager
+    async def own(self, **overrides: Any) -> AsyncIterator[Any]:
+        """An engine of its own for one module or test (one it kills, or the second of two
+        alike), shut down when the block ends."""
+        from rlserve.engine.adapter import EngineAdapter
+
+        with _insecure_serialization():
+            adapter = await asyncio.to_thread(EngineAdapter.start, replace(self._base, **overrides))
+        try:
+            yield adapter
+        finally:
+            await _stop(adapter)
+
+    async def close(self) -> None:
+        for adapter in self._started.values():
+            await _stop(adapter)
+        self._started.clear()
 
 
-@pytest_asyncio.fixture(scope="session")
-async def wt_engine(engine_config: EngineConfig):
-    from rlserve.engine.adapter import EngineAdapter
-
-    config = replace(engine_config, weight_transfer_backend="rlserve_gloo")
-    adapter = await asyncio.to_thread(EngineAdapter.start, config)
-    yield adapter
+async def _stop(adapter: Any) -> None:
     await adapter.close()
     adapter.shutdown()
 
 
+@pytest_asyncio.fixture(scope="session")
+async def engines(engine_config: EngineConfig):
+    cache = Engines(engine_config)
+    yield cache
+    await cache.close()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def engine(engines: Engines):
+    return await engines.get()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def wt_engine(engines: Engines):
+    return await engines.get(weight_transfer_backend="rlserve_gloo")
+
+
+@pytest_asyncio.fixture(scope="session")
+async def lora_engine(engines: Engines):
+    """LoRA enabled, over rlserve_gloo (its LoRA pushes): test_dynamo, test_lora."""
+    return await engines.get(enable_lora=True, max_loras=2, max_lora_rank=8, weight_transfer_backend="rlserve_gloo")
+
+
+@pytest_asyncio.fixture(scope="session")
+async def reference(engines: Engines, tiny_model_dir: Path):
+    """The engine the comparisons reload each checkpoint into (`helpers.Reference`)."""
+    from helpers import Reference
+
+    return Reference(await engines.get(served_model_name="reference"), tiny_model_dir)
+
+
+def _pickle_in_this_process() -> None:
+    """This process pickles what msgpack cannot carry, and reads the type tags of an engine
+    that does (vLLM's VLLM_ALLOW_INSECURE_SERIALIZATION), for the whole session, without
+    setting the variable: processes the tests start inherit it unset. vLLM reads the variable
+    on every message, and an engine started with it tags every utility result: had this
+    process stopped reading the tags while that engine lived, every call to it would hang."""
+    import vllm.envs
+
+    vllm.envs.environment_variables[INSECURE_SERIALIZATION] = lambda: True
+
+
 @contextlib.contextmanager
-def insecure_serialization():
-    """While set, this process and the engines it starts pickle what msgpack cannot carry
-    (vLLM's VLLM_ALLOW_INSECURE_SERIALIZATION), so that a test can reach into a worker with
-    `collective_rpc(callable)`. An engine started inside needs it for as long as it lives."""
+def _insecure_serialization():
+    """While set, the engines this process starts pickle what msgpack cannot carry (vLLM's
+    VLLM_ALLOW_INSECURE_SERIALIZATION, which their processes inherit when spawned)."""
     before = os.environ.get(INSECURE_SERIALIZATION)
     os.environ[INSECURE_SERIALIZATION] = "1"
     try:
@@ -137,18 +212,3 @@ def control(channel) -> control_pb2_grpc.ControlStub:
 @pytest.fixture(scope="session")
 def lifecycle(channel) -> lifecycle_pb2_grpc.LifecycleStub:
     return lifecycle_pb2_grpc.LifecycleStub(channel)
-
-
-async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0) -> None:
-    """Wait (bounded) for state another process changes asynchronously, e.g. an abort that
-    reaches the engine core after the client's cancel returned."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.05)

@@ -1,22 +1,30 @@
 """Helpers the test modules share: request builders, stream readers, weight files, a trainer
-in another process, a reference engine, and bringing up a server over a shared engine."""
+in another process, the reference engine, bounded waits, killing a server's process tree, and
+bringing up a server over a shared engine."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import http.client
+import inspect
 import json
+import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import grpc
+import psutil
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -86,6 +94,32 @@ async def wait_for_state(lifecycle, check, timeout_s: float = 30.0) -> lpb.Lifec
         return state
     finally:
         watch.cancel()
+
+
+@contextlib.asynccontextmanager
+async def watched(lifecycle) -> AsyncIterator[list[lpb.LifecycleState]]:
+    """Every state the server streams while the block runs (a slow reader may miss some:
+    enough for an invariant that must hold in each one seen)."""
+    seen: list[lpb.LifecycleState] = []
+    call = lifecycle.WatchState(lpb.WatchStateRequest())
+
+    async def read() -> None:
+        async for state in call:
+            seen.append(state)
+
+    task = asyncio.ensure_future(read())
+    await eventually(lambda: bool(seen))
+    try:
+        yield seen
+    finally:
+        await asyncio.sleep(0.2)  # the last change reaches the stream
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+            await task
+
+
+def never_paused(states: list[lpb.LifecycleState]) -> None:
+    assert states and all(st.pause_phase == lpb.PAUSE_PHASE_RUNNING for st in states), [st.pause_phase for st in states]
 
 
 async def expect(code, awaitable) -> str:
@@ -159,25 +193,84 @@ async def run_trainer_syncs(
     return proc.returncode, lines, err.decode()[-2000:]
 
 
-async def reference_outputs(
-    model_dir: Path, weights: dict[str, torch.Tensor], tmp: Path, engine_config, prompt: str = PROMPT, n: int = 24
-) -> list[int]:
-    """Greedy tokens of a fresh engine loaded from a checkpoint of `weights`."""
+class Reference:
+    """vLLM's own answer for a checkpoint: greedy tokens of an engine rlserve never updates,
+    its weights reloaded from a checkpoint on disk by vLLM's loader (`reload_weights`, the
+    loader that builds a fresh engine's model) before each comparison and its prefix cache
+    emptied, so nothing of the last checkpoint's KV serves the next. One engine for every
+    comparison of the session, in place of a fresh engine per comparison; checked against a
+    fresh engine once (test_weight_transfer).
+
+    vLLM 0.32's reload leaves a tied lm_head computing with the old embedding on CPU: its
+    loader never sees a tensor of its own, so vLLM never processes it again and its packed
+    kernel keeps the weights it was first built from. The reference runs vLLM's own post-load
+    step for that layer (`_reprocess_tied_head`)."""
+
+    def __init__(self, engine: Any, model_dir: Path) -> None:
+        self._llm = engine.llm
+        self._model_dir = model_dir
+        self._lock = asyncio.Lock()
+
+    async def outputs(
+        self, weights: dict[str, torch.Tensor], tmp: Path, prompt: str = PROMPT, n: int = 24
+    ) -> list[int]:
+        """Greedy tokens of the model loaded from a checkpoint of `weights`."""
+        ckpt = tmp / "reference-checkpoint"
+        shutil.copytree(self._model_dir, ckpt, dirs_exist_ok=True)
+        save_weights(weights, ckpt / "model.safetensors")
+        async with self._lock:
+            await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ckpt)})
+            await self._llm.collective_rpc(_reprocess_tied_head)
+            await self._llm.reset_prefix_cache()
+            return await engine_greedy(self._llm, prompt, n)
+
+
+def _reprocess_tied_head(worker: Any) -> None:
+    """In a worker: vLLM's post-load processing of a tied lm_head, from the embedding weight
+    it shares (see `Reference`)."""
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    if head is not None and getattr(model.config, "tie_word_embeddings", False):
+        head.quant_method.process_weights_after_loading(head)
+
+
+async def engine_greedy(llm: Any, prompt: str = PROMPT, n: int = 24) -> list[int]:
+    """Greedy tokens straight from a vLLM AsyncLLM, past any rlserve server."""
     from vllm import SamplingParams
 
-    from rlserve.engine.adapter import EngineAdapter
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    async for out in llm.generate(prompt, sp, f"greedy-{time.monotonic_ns()}"):
+        last = out
+    return list(last.outputs[0].token_ids)
 
-    ckpt = tmp / "checkpoint"
-    shutil.copytree(model_dir, ckpt)
-    save_weights(weights, ckpt / "model.safetensors")
-    fresh = await asyncio.to_thread(EngineAdapter.start, replace(engine_config, model=str(ckpt)))
-    try:
-        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        async for out in fresh.llm.generate(prompt, sp, "reference"):
-            last = out
-        return list(last.outputs[0].token_ids)
-    finally:
-        fresh.shutdown()
+
+async def eventually(
+    check: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0, interval_s: float = 0.05
+) -> None:
+    """Wait (bounded) for state another process or task changes asynchronously, e.g. an abort
+    that reaches the engine core after the client's cancel returned."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(interval_s)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a server started as a process group leader and every process under it (vLLM's
+    engine core runs in a process group of its own and outlives a killed server), then reap it."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 @dataclass
@@ -210,6 +303,17 @@ async def serving(engine, config: ServeConfig) -> AsyncIterator[Stubs]:
             )
     finally:
         await srv.stop(0)
+
+
+def gloo_config(engine_config, **serve: Any) -> ServeConfig:
+    """A server's config with the rlserve_gloo weight-transfer backend (the session's gloo
+    engine, `wt_engine`, has it); `serve`: ServeConfig's other fields."""
+    return ServeConfig(engine=replace(engine_config, weight_transfer_backend="rlserve_gloo"), **serve)
+
+
+def gloo_server(engine, engine_config, **serve: Any) -> contextlib.AbstractAsyncContextManager[Stubs]:
+    """`serving` over a gloo engine, configured by `gloo_config`."""
+    return serving(engine, gloo_config(engine_config, **serve))
 
 
 class HandTrainer:
@@ -308,3 +412,7 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 def value(samples: dict, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+# `_reprocess_tied_head` runs in the engine's workers, which cannot import this module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])

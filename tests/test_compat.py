@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import replace
 
 import grpc
 import pytest
@@ -20,7 +19,7 @@ from rlserve.config import SecurityConfig, ServeConfig
 from rlserve.sdk.client import ChannelCredentials, generate_request, open_aio_channel
 from rlserve.server.auth import canonical, rule_for
 
-from helpers import KEEP, expect, pause, serving
+from helpers import KEEP, expect, gloo_server, pause, serving
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 ADMIN_TOKEN, READ_TOKEN = "admin-" + "a" * 24, "read-" + "r" * 24
@@ -130,8 +129,7 @@ async def test_shutdown_is_an_admin_call_that_stops_the_server(engine, engine_co
 async def test_update_info_in_the_object_and_the_list_form(wt_engine, engine_config, tiny_model_dir, shape):
     from helpers import HandTrainer, checkpoint, chunk_of
 
-    config = ServeConfig(engine=replace(engine_config, weight_transfer_backend="rlserve_gloo"), transfer_timeout_s=20)
-    async with serving(wt_engine, config) as s:
+    async with gloo_server(wt_engine, engine_config, transfer_timeout_s=20) as s:
         trainer = HandTrainer(s.target)
         await trainer.init()
         try:

@@ -15,7 +15,6 @@ from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.config import ServeConfig
 from rlserve.wire.protocol import tensor_checksum
 
-from conftest import eventually
 from helpers import (
     KEEP,
     PROMPT,
@@ -23,6 +22,7 @@ from helpers import (
     checkpoint,
     checksum,
     chunk_of,
+    eventually,
     greedy,
     long_request,
     pause,
@@ -37,17 +37,13 @@ STALL_TIMEOUT_S = 3.0
 
 
 @pytest_asyncio.fixture(scope="module")
-async def dp(engine_config):
-    from rlserve.engine.adapter import EngineAdapter
-
+async def dp(engines, engine_config):
     config = replace(engine_config, weight_transfer_backend="rlserve_gloo", data_parallel_size=2)
-    adapter = await asyncio.to_thread(EngineAdapter.start, config)
-    try:
-        async with serving(adapter, ServeConfig(engine=config, transfer_timeout_s=STALL_TIMEOUT_S)) as stubs:
-            yield stubs
-    finally:
-        await adapter.close()
-        adapter.shutdown()
+    async with (
+        engines.own(weight_transfer_backend="rlserve_gloo", data_parallel_size=2) as adapter,
+        serving(adapter, ServeConfig(engine=config, transfer_timeout_s=STALL_TIMEOUT_S)) as stubs,
+    ):
+        yield stubs
 
 
 async def test_one_sync_updates_both_engines(dp, tiny_model_dir, tmp_path):

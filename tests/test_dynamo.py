@@ -24,7 +24,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import torch
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
@@ -35,7 +34,7 @@ from rlserve.sdk.launch import free_port
 from rlserve.sdk.plan import plan_sync
 from rlserve.sdk.senders import TensorSender
 
-from helpers import PROMPT, greedy, perturbed, serving
+from helpers import PROMPT, gloo_server, greedy, perturbed, serving
 from tiny_model import make_tiny_lora
 
 DYNAMO_PYTHON = Path(__file__).resolve().parent.parent / ".venv-dynamo" / "bin" / "python"
@@ -137,8 +136,10 @@ async def dynamo(grpc_target: str, model: str, tmp: Path, **extra_env: str) -> A
 
 @pytest.fixture
 async def stack(wt_engine, engine_config, tmp_path):
-    config = ServeConfig(engine=replace(engine_config, weight_transfer_backend="rlserve_gloo"), transfer_timeout_s=20)
-    async with serving(wt_engine, config) as s, dynamo(s.target, engine_config.served_names[0], tmp_path) as d:
+    async with (
+        gloo_server(wt_engine, engine_config, transfer_timeout_s=20) as s,
+        dynamo(s.target, engine_config.served_names[0], tmp_path) as d,
+    ):
         yield s, d
 
 
@@ -241,17 +242,6 @@ async def test_a_weight_update_driven_through_dynamos_routes(stack, tiny_model_d
     assert await greedy(s.inference) != before
     final = await s.lifecycle.GetState(lpb.GetStateRequest())
     assert final.weights_consistent and final.pause_phase == lpb.PAUSE_PHASE_RUNNING
-
-
-@pytest_asyncio.fixture(scope="module")
-async def lora_engine(engine_config):
-    from rlserve.engine.adapter import EngineAdapter
-
-    adapter = await asyncio.to_thread(
-        EngineAdapter.start, replace(engine_config, enable_lora=True, max_loras=2, max_lora_rank=8)
-    )
-    yield adapter
-    adapter.shutdown()
 
 
 async def test_dynamos_lora_routes_load_serve_and_unload_adapters(lora_engine, engine_config, tmp_path):

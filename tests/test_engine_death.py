@@ -9,7 +9,6 @@ import contextlib
 import os
 import signal
 import time
-from dataclasses import replace
 
 import grpc
 import psutil
@@ -28,17 +27,14 @@ UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 
 @pytest_asyncio.fixture(scope="module")
-async def doomed(engine_config):
-    from rlserve.engine.adapter import EngineAdapter
-
-    adapter = await asyncio.to_thread(EngineAdapter.start, replace(engine_config, hang_timeout_s=HANG_TIMEOUT_S))
-    core = core_of(adapter)
-    mine = [core, *core.children(recursive=True)]
-    yield adapter
-    for proc in mine:  # only this engine's: other modules' shared engines live on
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
-    adapter.shutdown()
+async def doomed(engines):
+    async with engines.own(hang_timeout_s=HANG_TIMEOUT_S) as adapter:
+        core = core_of(adapter)
+        mine = [core, *core.children(recursive=True)]
+        yield adapter
+        for proc in mine:  # only this engine's: other modules' shared engines live on
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
 
 
 def engine_processes() -> list[psutil.Process]:
@@ -114,11 +110,8 @@ async def test_a_stopped_then_killed_engine_turns_every_call_unavailable(doomed,
         await all_unavailable(s)
 
 
-async def test_a_killed_engine_is_noticed_at_once(engine_config):
-    from rlserve.engine.adapter import EngineAdapter
-
-    adapter = await asyncio.to_thread(EngineAdapter.start, replace(engine_config, hang_timeout_s=60.0))
-    try:
+async def test_a_killed_engine_is_noticed_at_once(engines, engine_config):
+    async with engines.own(hang_timeout_s=60.0) as adapter:
         async with serving(adapter, ServeConfig(engine=engine_config)) as s:
             stream = s.inference.GenerateStream(long_request("in flight", max_new_tokens=400))
             await stream.read()
@@ -133,5 +126,3 @@ async def test_a_killed_engine_is_noticed_at_once(engine_config):
             await all_unavailable(s)
             assert await health_status(s) == health_pb2.HealthCheckResponse.NOT_SERVING
             assert time.perf_counter() - t0 < 10, "well before the 60 s hang timeout"
-    finally:
-        adapter.shutdown()

@@ -16,12 +16,10 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 import cloudpickle
 import grpc
-import psutil
 import pytest
 import pytest_asyncio
 import torch
@@ -31,20 +29,20 @@ from worker_faults import fail_next_load
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import inference_pb2 as pb
-from rlserve.config import ServeConfig
 from rlserve.sdk.client import Client, generate_request
 from rlserve.sdk.fleet import AsyncFleet, Fleet, FleetError, FleetSyncError
 from rlserve.sdk.launch import free_port
 from rlserve.sdk.weight_sync import WeightSync
 from rlserve.wire.protocol import tensor_checksum
 
-from conftest import insecure_serialization
 from helpers import (
     checkpoint,
+    eventually,
+    gloo_config,
     greedy,
+    kill_tree,
     models_listed,
     perturbed,
-    reference_outputs,
     save_weights,
     serving,
     wait_for_state,
@@ -56,28 +54,16 @@ TIMEOUT_S = 10.0
 
 
 @pytest_asyncio.fixture(scope="module")
-async def engines(engine_config):
-    from rlserve.engine.adapter import EngineAdapter
-
-    config = replace(engine_config, weight_transfer_backend="rlserve_gloo", kv_cache_gib=0.25)
-    with insecure_serialization():
-        started = []
-        try:
-            for _ in range(2):
-                started.append(await asyncio.to_thread(EngineAdapter.start, config))
-            yield started
-        finally:
-            for adapter in started:
-                await adapter.close()
-                adapter.shutdown()
+async def members(engines, wt_engine):
+    """The session's gloo engine and one of this module's own."""
+    async with engines.own(weight_transfer_backend="rlserve_gloo", kv_cache_gib=0.25) as other:
+        yield wt_engine, other
 
 
 @pytest_asyncio.fixture(scope="module")
-async def servers(engines, engine_config):
-    config = ServeConfig(
-        engine=replace(engine_config, weight_transfer_backend="rlserve_gloo"), transfer_timeout_s=TIMEOUT_S
-    )
-    async with serving(engines[0], config) as a, serving(engines[1], config) as b:
+async def servers(members, engine_config):
+    config = gloo_config(engine_config, transfer_timeout_s=TIMEOUT_S)
+    async with serving(members[0], config) as a, serving(members[1], config) as b:
         yield a, b
 
 
@@ -119,7 +105,9 @@ async def state(s) -> lpb.LifecycleState:
     return await s.lifecycle.GetState(lpb.GetStateRequest())
 
 
-async def test_one_sync_serves_the_trainers_weights_on_every_server(servers, tiny_model_dir, tmp_path, engine_config):
+async def test_one_sync_serves_the_trainers_weights_on_every_server(
+    servers, tiny_model_dir, tmp_path, engine_config, reference
+):
     """Through the asyncio twin: the test's event loop (which serves both servers) runs on."""
     weights = perturbed(tiny_model_dir, seed=11)
     async with AsyncFleet([s.target for s in servers], timeout_s=TIMEOUT_S) as fleet:
@@ -137,12 +125,12 @@ async def test_one_sync_serves_the_trainers_weights_on_every_server(servers, tin
             async for _ in long:
                 break
         assert fleet.fleet.router.outstanding() == {a: 0 for a in fleet.fleet.router.outstanding()}
-    reference = await reference_outputs(tiny_model_dir, weights, tmp_path, engine_config)
+    expected = await reference.outputs(weights, tmp_path)
     for s in servers:
         st = await state(s)
         assert st.weight_version == "step-1" and st.pause_phase == lpb.PAUSE_PHASE_RUNNING
         assert await served(s) == digests_of(weights)
-        assert await greedy(s.inference) == reference
+        assert await greedy(s.inference) == expected
 
 
 async def test_a_fleet_sync_leaves_a_member_someone_else_paused_paused(servers, tiny_model_dir):
@@ -176,10 +164,9 @@ async def test_init_names_the_server_that_does_not_fit(servers, tiny_model_dir):
     assert (await state(a)).weight_version == "checkpoint"
 
 
-async def test_a_server_that_fails_before_the_vote_leaves_every_server_as_it_was(servers, engines, tiny_model_dir):
+async def test_a_server_that_fails_before_the_vote_leaves_every_server_as_it_was(servers, members, tiny_model_dir):
     before = [await served(s) for s in servers]
-    with insecure_serialization():
-        await engines[1].llm.collective_rpc(fail_next_load)
+    await members[1].llm.collective_rpc(fail_next_load)
     with Fleet([s.target for s in servers], timeout_s=TIMEOUT_S) as fleet:
         with pytest.raises(FleetSyncError) as e:
             await asyncio.to_thread(fleet.sync, perturbed(tiny_model_dir, seed=13), "never")
@@ -271,7 +258,7 @@ async def test_routing_keeps_sessions_and_skips_a_paused_server(servers):
         assert {r.server for r in many} == {a.target, b.target}
         await b.control.PauseGeneration(cpb.PauseGenerationRequest(mode=cpb.PAUSE_MODE_KEEP))
         try:
-            await _until(lambda: not fleet.router._watches[b.target].serving)
+            await eventually(lambda: not fleet.router._watches[b.target].serving)
             routed = await asyncio.to_thread(fleet.generate_many, ["Hi"] * 12, max_new_tokens=2)
             assert all(r.server == a.target for r in routed)
             # A session on the paused server moves to one that serves.
@@ -281,13 +268,6 @@ async def test_routing_keeps_sessions_and_skips_a_paused_server(servers):
             assert {r.server for r in moved} == {a.target}
         finally:
             await b.control.ResumeGeneration(cpb.ResumeGenerationRequest())
-
-
-async def _until(check, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 @contextlib.asynccontextmanager
@@ -307,18 +287,6 @@ async def server_process(model_dir):
         yield proc, f"127.0.0.1:{port}"
     finally:
         kill_tree(proc)
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the server and every process under it (vLLM's engine core runs in a process
-    group of its own and outlives a killed server)."""
-    with contextlib.suppress(psutil.NoSuchProcess):
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 class _KillAtCommit(grpc.UnaryUnaryClientInterceptor):

@@ -29,8 +29,7 @@ from rlserve.sdk.client import Client
 from rlserve.sdk.launch import ServerProcess, free_port
 from rlserve.sdk.weight_sync import WeightSync
 
-from conftest import eventually
-from helpers import long_request, perturbed, read_rest, scrape, value
+from helpers import eventually, kill_tree, long_request, perturbed, read_rest, scrape, value
 
 # Connections each land on one process; with this many, both get some (all on one: 2^-15).
 NUM_CHANNELS = 16
@@ -94,10 +93,7 @@ async def frontends_server(
     finally:
         if fronts is not None:
             await fronts.close()
-        if server.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(server.pid, signal.SIGKILL)
-            server.process.wait()
+        kill_tree(server.process)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import asyncio
 import functools
 import json
 import os
-from dataclasses import replace
 
 import grpc
 import pytest
@@ -21,10 +20,9 @@ from hypothesis import strategies as st
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2
 from rlserve.api.vllm import control_pb2, inference_pb2, inference_pb2_grpc
-from rlserve.config import ServeConfig
 from rlserve.sdk.client import generate_request
 
-from helpers import serving
+from helpers import gloo_server
 
 SCALE = float(os.environ.get("RLSERVE_FUZZ_EXAMPLES", "1"))
 BUGS = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
@@ -123,8 +121,7 @@ async def test_fuzz_lifecycle(lifecycle, control, data):
 async def wt(wt_engine, engine_config):
     """The weight-transfer RPCs for real, with a rendezvous deadline short enough that an
     init naming some random address ends fast."""
-    config = ServeConfig(engine=replace(engine_config, weight_transfer_backend="rlserve_gloo"), transfer_timeout_s=0.5)
-    async with serving(wt_engine, config) as stubs:
+    async with gloo_server(wt_engine, engine_config, transfer_timeout_s=0.5) as stubs:
         yield stubs
         await stubs.lifecycle.AbortWeightUpdate(lifecycle_pb2.AbortWeightUpdateRequest())
         await stubs.control.ResumeGeneration(control_pb2.ResumeGenerationRequest())

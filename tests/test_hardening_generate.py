@@ -20,8 +20,7 @@ from rlserve.api.vllm import inference_pb2_grpc
 from rlserve.config import RequestLimits, ServeConfig
 from rlserve.sdk.client import generate_request
 
-from conftest import eventually
-from helpers import ABORT, KEEP, WAIT, expect, long_request, pause, read_rest, serving, wait_for_state
+from helpers import ABORT, KEEP, WAIT, eventually, expect, long_request, pause, read_rest, serving, wait_for_state
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 LIMITS = RequestLimits()

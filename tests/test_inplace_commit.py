@@ -22,7 +22,6 @@ from rlserve.sdk.client import Client
 from rlserve.sdk.weight_sync import WeightSync
 from rlserve.wire.protocol import tensor_checksum
 
-from conftest import insecure_serialization
 from helpers import (
     HandTrainer,
     begin_update,
@@ -31,7 +30,6 @@ from helpers import (
     expect,
     greedy,
     perturbed,
-    reference_outputs,
     serving,
 )
 
@@ -40,17 +38,9 @@ cloudpickle.register_pickle_by_value(worker_faults)
 
 
 @pytest_asyncio.fixture(scope="module")
-async def in_place_engine(engine_config):
-    from rlserve.engine.adapter import EngineAdapter
-
-    config = replace(engine_config, weight_transfer_backend="rlserve_gloo", weight_update_mode="in-place")
-    with insecure_serialization():  # the test reaches into the worker
-        adapter = await asyncio.to_thread(EngineAdapter.start, config)
-        try:
-            yield adapter
-        finally:
-            await adapter.close()
-            adapter.shutdown()
+async def in_place_engine(engines):
+    async with engines.own(weight_transfer_backend="rlserve_gloo", weight_update_mode="in-place") as adapter:
+        yield adapter
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -90,14 +80,16 @@ async def restored(s, tiny_model_dir) -> None:
     assert await served(s) == {n: tensor_checksum(t) for n, t in weights.items()}
 
 
-async def test_an_in_place_sync_serves_what_a_fresh_engine_serves(s, tiny_model_dir, tmp_path, engine_config):
+async def test_an_in_place_sync_serves_what_a_fresh_engine_serves(
+    s, tiny_model_dir, tmp_path, engine_config, reference
+):
     weights = perturbed(tiny_model_dir, seed=51)
     await asyncio.to_thread(sync, s.target, weights, "in-place-1")
     state = await s.lifecycle.GetState(lpb.GetStateRequest())
     assert not state.stages_updates
     assert state.weights_consistent and state.weight_version == "in-place-1"
     assert await served(s) == {n: tensor_checksum(t) for n, t in weights.items()}
-    assert await greedy(s.inference) == await reference_outputs(tiny_model_dir, weights, tmp_path, engine_config)
+    assert await greedy(s.inference) == await reference.outputs(weights, tmp_path)
 
 
 async def test_an_aborted_in_place_update_leaves_the_weights_inconsistent(s, tiny_model_dir):
@@ -124,8 +116,7 @@ async def test_an_aborted_in_place_update_leaves_the_weights_inconsistent(s, tin
 
 async def test_an_in_place_load_that_fails_half_way_is_reported_and_recovered(s, in_place_engine, tiny_model_dir):
     weights = perturbed(tiny_model_dir, seed=53)
-    with insecure_serialization():
-        await in_place_engine.llm.collective_rpc(fail_next_load)
+    await in_place_engine.llm.collective_rpc(fail_next_load)
     trainer = HandTrainer(s.target)
     try:
         await begin_update(s, trainer)

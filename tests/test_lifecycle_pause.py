@@ -12,6 +12,8 @@ from rlserve.errors import PauseDraining
 from rlserve.lifecycle.controller import LifecycleController
 from rlserve.types import PauseMode, PausePhase, RlCapabilities
 
+from helpers import eventually
+
 
 class _Monitor:
     def on_dead(self, listener) -> None:
@@ -54,12 +56,6 @@ class DrainingEngine:
         return []
 
 
-async def until(condition, timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.001)
-
-
 def controller(engine: DrainingEngine) -> LifecycleController:
     return LifecycleController(engine, max_held_requests=8, initial_version="v0")  # type: ignore[arg-type]  # a partial fake
 
@@ -68,7 +64,7 @@ async def test_a_wait_pause_is_pausing_until_the_engine_drained_and_resume_is_re
     engine = DrainingEngine()
     c = controller(engine)
     pausing = asyncio.ensure_future(c.pause(PauseMode.WAIT, clear_cache=False))
-    await until(lambda: ("pause", PauseMode.WAIT) in engine.calls)
+    await eventually(lambda: ("pause", PauseMode.WAIT) in engine.calls, timeout_s=5.0, interval_s=0.001)
     assert c.state.pause_phase is PausePhase.PAUSING and c.state.pause_mode is PauseMode.WAIT
     with pytest.raises(PauseDraining):
         await c.resume()
@@ -84,7 +80,7 @@ async def test_a_stronger_pause_does_not_wait_behind_a_wait_drain():
     engine = DrainingEngine()
     c = controller(engine)
     waiting = asyncio.ensure_future(c.pause(PauseMode.WAIT, clear_cache=False))
-    await until(lambda: c.state.pause_phase is PausePhase.PAUSING)
+    await eventually(lambda: c.state.pause_phase is PausePhase.PAUSING, timeout_s=5.0, interval_s=0.001)
     await asyncio.wait_for(c.pause(PauseMode.ABORT, clear_cache=True), timeout=5)
     assert ("pause", PauseMode.ABORT) in engine.calls
     assert c.state.pause_phase is PausePhase.PAUSED and c.state.pause_mode is PauseMode.ABORT
@@ -110,7 +106,7 @@ async def test_keep_then_wait_runs_the_kept_requests_to_their_end_then_pauses():
     await c.pause(PauseMode.KEEP, clear_cache=False)
     assert engine.calls == [("pause", PauseMode.KEEP)]
     waiting = asyncio.ensure_future(c.pause(PauseMode.WAIT, clear_cache=False))
-    await until(lambda: ("requests_done",) in engine.calls)
+    await eventually(lambda: ("requests_done",) in engine.calls, timeout_s=5.0, interval_s=0.001)
     # The engine runs again (new requests stay held at the gate) while the kept ones finish.
     assert engine.calls[1:] == [("resume",), ("requests_done",)]
     assert c.state.pause_phase is PausePhase.PAUSING

@@ -6,13 +6,11 @@ duplicated, token counts and version spans add up, and the state is consistent a
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.config import ServeConfig
 
-from helpers import long_request, perturbed, run_trainer_syncs, save_weights, serving
+from helpers import gloo_config, long_request, perturbed, run_trainer_syncs, save_weights, serving
 
 NUM_STREAMS = 64
 NUM_SYNCS = 20
@@ -20,7 +18,7 @@ TOKENS = 24
 
 
 async def test_64_streams_through_20_syncs_lose_nothing(wt_engine, engine_config, tiny_model_dir, tmp_path):
-    config = ServeConfig(engine=replace(engine_config, weight_transfer_backend="rlserve_gloo"), transfer_timeout_s=20)
+    config = gloo_config(engine_config, transfer_timeout_s=20)
     a = save_weights(perturbed(tiny_model_dir, seed=11), tmp_path / "a.safetensors")
     b = save_weights(perturbed(tiny_model_dir, seed=12), tmp_path / "b.safetensors")
     async with serving(wt_engine, config) as s:

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import replace
 
 import grpc
 import pytest_asyncio
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.config import ServeConfig
 from rlserve.sdk.client import generate_request
 
-from helpers import PROMPT, expect, long_request, serving
+from helpers import PROMPT, expect, gloo_server, long_request
 from tiny_model import make_tiny_lora
 
 INVALID, ABORTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ABORTED
@@ -25,22 +23,9 @@ PRECONDITION, NOT_FOUND = grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.N
 TOKENS = 16
 
 
-@pytest_asyncio.fixture(scope="module")
-async def lora_engine(engine_config):
-    from rlserve.engine.adapter import EngineAdapter
-
-    config = replace(
-        engine_config, enable_lora=True, max_loras=2, max_lora_rank=8, weight_transfer_backend="rlserve_gloo"
-    )
-    adapter = await asyncio.to_thread(EngineAdapter.start, config)
-    yield adapter
-    adapter.shutdown()
-
-
 @pytest_asyncio.fixture
 async def s(lora_engine, engine_config):
-    config = ServeConfig(engine=replace(engine_config, weight_transfer_backend="rlserve_gloo"), transfer_timeout_s=20)
-    async with serving(lora_engine, config) as stubs:
+    async with gloo_server(lora_engine, engine_config, transfer_timeout_s=20) as stubs:
         yield stubs
 
 

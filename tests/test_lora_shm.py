@@ -4,7 +4,6 @@ transports share the worker code that stages, checks and writes adapters is chec
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import replace
 
 import pytest_asyncio
@@ -21,14 +20,9 @@ BACKEND = "rlserve_shm"
 
 
 @pytest_asyncio.fixture(scope="module")
-async def lora_engine(engine_config):
-    from rlserve.engine.adapter import EngineAdapter
-
-    config = replace(engine_config, enable_lora=True, max_loras=2, max_lora_rank=8, weight_transfer_backend=BACKEND)
-    adapter = await asyncio.to_thread(EngineAdapter.start, config)
-    yield adapter
-    await adapter.close()
-    adapter.shutdown()
+async def lora_engine(engines):
+    async with engines.own(enable_lora=True, max_loras=2, max_lora_rank=8, weight_transfer_backend=BACKEND) as adapter:
+        yield adapter
 
 
 @pytest_asyncio.fixture

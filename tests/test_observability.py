@@ -4,7 +4,6 @@ Lifecycle/GetLoad, against a real engine, server and trainer process."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 import grpc
 
@@ -17,6 +16,7 @@ from helpers import (
     KEEP,
     expect,
     finish,
+    gloo_server,
     pause,
     perturbed,
     run_trainer,
@@ -58,10 +58,7 @@ async def test_load_follows_running_held_and_finished_requests(wt_engine, engine
 
 
 async def test_metrics_count_rpcs_pauses_updates_and_reuse_vllms(wt_engine, engine_config, tiny_model_dir, tmp_path):
-    config = ServeConfig(
-        engine=replace(engine_config, weight_transfer_backend="rlserve_gloo"), metrics_port=0, transfer_timeout_s=20
-    )
-    async with serving(wt_engine, config) as s:
+    async with gloo_server(wt_engine, engine_config, metrics_port=0, transfer_timeout_s=20) as s:
         port = s.server.metrics_port
         before = await asyncio.to_thread(scrape, port)
         assert value(before, "rlserve_generation_paused") == 0 and value(before, "rlserve_engine_alive") == 1

@@ -17,8 +17,7 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.api.vllm import inference_pb2 as pb
 
-from conftest import eventually
-from helpers import ABORT, KEEP, WAIT, finish, pause, started_streams, wait_for_state
+from helpers import ABORT, KEEP, WAIT, eventually, finish, gloo_server, pause, started_streams, wait_for_state
 
 NAMES = {ABORT: "ABORT", WAIT: "WAIT", KEEP: "KEEP"}
 LENGTH, ABORTED = pb.FinishInfo.LENGTH, pb.FinishInfo.ABORTED
@@ -71,14 +70,10 @@ async def test_pause_mode_pair(current, requested, control, inference, lifecycle
 
 async def test_keep_then_wait_is_refused_while_an_update_is_open(wt_engine, engine_config):
     """The kept requests would run during the update; ABORT is still allowed."""
-    from dataclasses import replace
 
-    from rlserve.config import ServeConfig
+    from helpers import HandTrainer, expect, read_rest
 
-    from helpers import HandTrainer, expect, read_rest, serving
-
-    config = ServeConfig(engine=replace(engine_config, weight_transfer_backend="rlserve_gloo"), transfer_timeout_s=10)
-    async with serving(wt_engine, config) as s:
+    async with gloo_server(wt_engine, engine_config, transfer_timeout_s=10) as s:
         trainer = HandTrainer(s.target)
         try:
             await trainer.init()

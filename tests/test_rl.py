@@ -17,7 +17,6 @@ import torch
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.config import ServeConfig
 from rlserve.rl.grpo import completion_logprobs, group_advantages, grpo_loss
 from rlserve.rl.loop import GrpoConfig, GrpoLoop, Policy
 from rlserve.rl.rollout import Rollout, SamplingConfig, versions_from_spans
@@ -25,7 +24,7 @@ from rlserve.rl.tasks import Arithmetic, Problem
 from rlserve.sdk.weight_sync import SyncStats, WeightSync
 from rlserve.types import WeightVersionSpan
 
-from helpers import checkpoint, serving
+from helpers import checkpoint, gloo_server
 
 # Measured on this model in float32: the trainer's logprobs of the server's tokens, right after
 # the trainer's weights were published (served weights digest-equal to the trainer's), differ
@@ -50,8 +49,7 @@ class VariedTask:
 
 @pytest_asyncio.fixture(scope="module")
 async def rl_server(wt_engine, engine_config, tiny_model_dir):
-    config = ServeConfig(engine=replace(engine_config, weight_transfer_backend="rlserve_gloo"), transfer_timeout_s=20.0)
-    async with serving(wt_engine, config) as stubs:
+    async with gloo_server(wt_engine, engine_config, transfer_timeout_s=20.0) as stubs:
         yield stubs
         # Leave the checkpoint's weights served, as the other modules expect.
         await stubs.control.ResumeGeneration(cpb.ResumeGenerationRequest())

@@ -2,16 +2,15 @@
 digest that reads the model (so a change behind rlserve's back shows), and recovery from a
 commit that fails half way.
 
-The engine of this module accepts pickled callables, so that a test can reach into the
-worker with vLLM's own `collective_rpc` and change the served weights behind rlserve's back
-(or make one commit fail): edges a well-behaved engine never reaches by itself.
+The session's engines accept pickled callables (`conftest.Engines`), so that a test can reach
+into the worker with vLLM's own `collective_rpc` and change the served weights behind
+rlserve's back (or make one commit fail): edges a well-behaved engine never reaches by itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
-from dataclasses import replace
 
 import cloudpickle
 import grpc
@@ -23,22 +22,19 @@ from worker_faults import fail_next_load
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.config import ServeConfig
 from rlserve.sdk.client import Client
 from rlserve.sdk.weight_sync import WeightSync
 from rlserve.wire.protocol import ChunkInfo, TensorMeta, tensor_checksum
 
-from conftest import insecure_serialization
 from helpers import (
     HandTrainer,
     begin_update,
     changed_a_little,
     checkpoint,
     chunk_of,
+    gloo_server,
     greedy,
     perturbed,
-    reference_outputs,
-    serving,
 )
 
 # Functions sent to the worker travel by value: the worker cannot import the test modules.
@@ -47,24 +43,11 @@ cloudpickle.register_pickle_by_value(worker_faults)
 
 
 @pytest_asyncio.fixture(scope="module")
-async def engine_(engine_config):
-    from rlserve.engine.adapter import EngineAdapter
-
-    with insecure_serialization():
-        adapter = await asyncio.to_thread(
-            EngineAdapter.start, replace(engine_config, weight_transfer_backend="rlserve_gloo")
-        )
-        try:
-            yield adapter
-        finally:
-            await adapter.close()
-            adapter.shutdown()
-
-
-@pytest_asyncio.fixture(scope="module")
-async def s(engine_, engine_config):
-    config = ServeConfig(engine=replace(engine_config, weight_transfer_backend="rlserve_gloo"), transfer_timeout_s=10)
-    async with serving(engine_, config) as stubs:
+async def s(wt_engine, engine_config, tiny_model_dir):
+    """Over the session's gloo engine, which other modules leave serving their weights: the
+    checkpoint's synced first."""
+    async with gloo_server(wt_engine, engine_config, transfer_timeout_s=10) as stubs:
+        await update(stubs, checkpoint(tiny_model_dir), "checkpoint")
         yield stubs
 
 
@@ -121,7 +104,9 @@ async def test_a_partial_update_of_a_fused_layer_keeps_its_other_members(s, tiny
     assert dict((await served(s)).per_tensor) == dict(before.per_tensor)
 
 
-async def test_a_partial_update_of_fused_layers_equals_a_fresh_engine(s, tiny_model_dir, tmp_path, engine_config):
+async def test_a_partial_update_of_fused_layers_equals_a_fresh_engine(
+    s, tiny_model_dir, tmp_path, engine_config, reference
+):
     weights = checkpoint(tiny_model_dir)
     changed = {
         name: weights[name] * 1.5
@@ -130,7 +115,7 @@ async def test_a_partial_update_of_fused_layers_equals_a_fresh_engine(s, tiny_mo
     await update(s, changed, "partial")
     expected = {**weights, **changed}
     assert dict((await served(s)).per_tensor) == digests_of(expected)
-    assert await greedy(s.inference) == await reference_outputs(tiny_model_dir, expected, tmp_path, engine_config)
+    assert await greedy(s.inference) == await reference.outputs(expected, tmp_path)
 
 
 def _zero_o_proj_kernel(worker) -> None:
@@ -145,25 +130,24 @@ def _zero_o_proj_kernel(worker) -> None:
     dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
 
 
-async def test_a_change_behind_rlservers_back_shows_in_the_digest(s, engine_, tiny_model_dir):
+async def test_a_change_behind_rlservers_back_shows_in_the_digest(s, wt_engine, tiny_model_dir):
     """The digest is read from the model, not remembered from what was sent."""
     mine = digests_of(checkpoint(tiny_model_dir))
     # The fixture's last commit dropped any cached digest: the next one is computed anew.
-    with insecure_serialization():
-        await engine_.llm.collective_rpc(_zero_o_proj_kernel)
+    await wt_engine.llm.collective_rpc(_zero_o_proj_kernel)
     o_proj = "model.layers.1.self_attn.o_proj.weight"
     now = dict((await served(s)).per_tensor)
     assert now[o_proj] != mine[o_proj]
     assert {n: d for n, d in now.items() if n != o_proj} == {n: d for n, d in mine.items() if n != o_proj}
 
 
-async def test_vllms_weight_reset_shows_what_is_really_served(s, engine_, tiny_model_dir):
+async def test_vllms_weight_reset_shows_what_is_really_served(s, wt_engine, tiny_model_dir):
     """vLLM's own `reset_weights` zeroes every parameter. On CPU the linear layers keep their
     packed kernels (they are still served), the norms and the embedding are zeros, and the
     lm_head tied to the embedding still computes with the old one: a digest of the
     parameters would say "all zero", this one says exactly that and no more."""
     mine = digests_of(checkpoint(tiny_model_dir))
-    await engine_.llm.collective_rpc("reset_weights")
+    await wt_engine.llm.collective_rpc("reset_weights")
     digest = await served(s)
     changed = sorted(n for n, d in digest.per_tensor.items() if d != mine[n])
     assert changed == sorted(n for n in mine if "norm" in n or "embed" in n)
@@ -171,7 +155,7 @@ async def test_vllms_weight_reset_shows_what_is_really_served(s, engine_, tiny_m
 
 
 async def test_a_load_that_fails_half_way_changes_nothing_and_the_next_update_lands(
-    s, engine_, tiny_model_dir, tmp_path, engine_config
+    s, wt_engine, tiny_model_dir, tmp_path, engine_config, reference
 ):
     """The update is loaded into shadows as it arrives: a failure half way (here, after 3
     tensors) leaves the served weights, digests and version as they were, and generation
@@ -179,8 +163,7 @@ async def test_a_load_that_fails_half_way_changes_nothing_and_the_next_update_la
     weights = checkpoint(tiny_model_dir)
     before = await served(s)
     version = (await s.lifecycle.GetState(lpb.GetStateRequest())).weight_version
-    with insecure_serialization():
-        await engine_.llm.collective_rpc(fail_next_load)
+    await wt_engine.llm.collective_rpc(fail_next_load)
     trainer = HandTrainer(s.target)
     try:
         await begin_update(s, trainer)
@@ -196,7 +179,7 @@ async def test_a_load_that_fails_half_way_changes_nothing_and_the_next_update_la
     state = await s.lifecycle.GetState(lpb.GetStateRequest())
     assert state.weights_consistent and state.weight_version == "recovered"
     assert dict((await served(s)).per_tensor) == digests_of(weights)
-    assert await greedy(s.inference) == await reference_outputs(tiny_model_dir, weights, tmp_path, engine_config)
+    assert await greedy(s.inference) == await reference.outputs(weights, tmp_path)
 
 
 def _fail_second_load(worker) -> None:
@@ -247,13 +230,12 @@ async def test_prepare_does_all_but_the_swap_and_the_commit_then_lands(s, tiny_m
     assert digests[k] == before.per_tensor[k]
 
 
-async def test_a_prepare_that_fails_drops_the_update_and_changes_nothing(s, engine_, tiny_model_dir):
+async def test_a_prepare_that_fails_drops_the_update_and_changes_nothing(s, wt_engine, tiny_model_dir):
     weights = checkpoint(tiny_model_dir)
     before = await served(s)
     version = (await s.lifecycle.GetState(lpb.GetStateRequest())).weight_version
     q = "model.layers.0.self_attn.q_proj.weight"
-    with insecure_serialization():
-        await engine_.llm.collective_rpc(_fail_second_load)
+    await wt_engine.llm.collective_rpc(_fail_second_load)
     trainer = HandTrainer(s.target)
     try:
         await begin_update(s, trainer)
@@ -291,17 +273,16 @@ def _garbage_tensor_bytes(worker) -> int:
         gc.garbage.clear()
 
 
-async def test_a_sync_leaves_no_tensor_for_the_garbage_collector(s, engine_, tiny_model_dir):
+async def test_a_sync_leaves_no_tensor_for_the_garbage_collector(s, wt_engine, tiny_model_dir):
     """A commit frees the update's shadows at once. They held their layers' tensors in
     reference cycles (a tensor's weight loader bound to its shadow), which only a garbage
     collection frees, some time later: each sync left an update's worth of memory behind
     until then (about 200 MB per sync of SmolLM2-135M)."""
-    with insecure_serialization():
-        await engine_.llm.collective_rpc(_hold_garbage)
-        try:
-            await update(s, perturbed(tiny_model_dir, seed=61), "no-garbage")
-        finally:
-            (left,) = await engine_.llm.collective_rpc(_garbage_tensor_bytes)
+    await wt_engine.llm.collective_rpc(_hold_garbage)
+    try:
+        await update(s, perturbed(tiny_model_dir, seed=61), "no-garbage")
+    finally:
+        (left,) = await wt_engine.llm.collective_rpc(_garbage_tensor_bytes)
     assert left == 0
 
 
@@ -315,7 +296,7 @@ def _patch_syncs(target: str, steps: list[tuple[dict, str]]) -> list:
 
 
 async def test_a_patch_sync_sends_what_changed_and_serves_the_patched_weights(
-    s, tiny_model_dir, tmp_path, engine_config
+    s, tiny_model_dir, tmp_path, engine_config, reference
 ):
     """After a whole sync, a sync with patch=True sends only the 1% of elements that changed
     (indices and values) and the server serves exactly the patched tensors; the next patch
@@ -329,7 +310,7 @@ async def test_a_patch_sync_sends_what_changed_and_serves_the_patched_weights(
     assert dict((await served(s)).per_tensor) == digests_of(third)
     state = await s.lifecycle.GetState(lpb.GetStateRequest())
     assert state.weight_version == "p2" and state.weights_consistent
-    assert await greedy(s.inference) == await reference_outputs(tiny_model_dir, third, tmp_path, engine_config)
+    assert await greedy(s.inference) == await reference.outputs(third, tmp_path)
 
 
 def _patch_chunk(name: str, target: torch.Tensor, at: torch.Tensor, base_weight_version: str, **override) -> tuple:

@@ -16,8 +16,7 @@ from rlserve.sdk.client import generate_request
 from rlserve.server.app import RlserveServer
 from rlserve.server.listeners import AddressInUse
 
-from conftest import eventually
-from helpers import long_request, read_rest
+from helpers import eventually, long_request, read_rest
 
 
 async def test_32_concurrent_streams_all_end_with_a_terminal_message(engine, inference):

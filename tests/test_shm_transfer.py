@@ -35,7 +35,6 @@ from helpers import (
     greedy,
     pause,
     perturbed,
-    reference_outputs,
     run_trainer,
     save_weights,
     serving,
@@ -47,15 +46,9 @@ KEEP = cpb.PAUSE_MODE_KEEP
 
 
 @pytest_asyncio.fixture(scope="module")
-async def shm_engine(engine_config):
-    from rlserve.engine.adapter import EngineAdapter
-
-    adapter = await asyncio.to_thread(
-        EngineAdapter.start, replace(engine_config, weight_transfer_backend="rlserve_shm")
-    )
-    yield adapter
-    await adapter.close()
-    adapter.shutdown()
+async def shm_engine(engines):
+    async with engines.own(weight_transfer_backend="rlserve_shm") as adapter:
+        yield adapter
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -90,7 +83,7 @@ def sync_in_thread(target: str, weights, version: str, **kw):
             sync.close()
 
 
-async def test_a_sync_over_shared_memory_equals_a_fresh_engine(shm, tiny_model_dir, tmp_path, engine_config):
+async def test_a_sync_over_shared_memory_equals_a_fresh_engine(shm, tiny_model_dir, tmp_path, engine_config, reference):
     weights = perturbed(tiny_model_dir, seed=31)
     before = segments()
     stats, during = await asyncio.to_thread(sync_in_thread, shm.target, weights, "shm-1")
@@ -98,7 +91,7 @@ async def test_a_sync_over_shared_memory_equals_a_fresh_engine(shm, tiny_model_d
     assert segments() == before
     state = await shm.lifecycle.GetState(lpb.GetStateRequest())
     assert state.weight_version == "shm-1" and state.weights_consistent
-    assert await greedy(shm.inference) == await reference_outputs(tiny_model_dir, weights, tmp_path, engine_config)
+    assert await greedy(shm.inference) == await reference.outputs(weights, tmp_path)
 
 
 async def test_the_gloo_transport_is_refused_by_name_against_a_shm_server(shm, tiny_model_dir):
@@ -331,14 +324,16 @@ def patch_syncs_in_thread(target: str, steps: list[tuple[dict, str]]) -> list:
             sync.close()
 
 
-async def test_a_patch_sync_over_shared_memory_serves_the_patched_weights(shm, tiny_model_dir, tmp_path, engine_config):
+async def test_a_patch_sync_over_shared_memory_serves_the_patched_weights(
+    shm, tiny_model_dir, tmp_path, engine_config, reference
+):
     first = perturbed(tiny_model_dir, seed=35)
     second = changed_a_little(first, 0.01, seed=36)
     dense, patched = await asyncio.to_thread(patch_syncs_in_thread, shm.target, [(first, "sp0"), (second, "sp1")])
     assert patched.num_bytes < dense.num_bytes * 0.05
     digests = (await shm.lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())).per_tensor
     assert {n: digests[n] for n in second} == {n: tensor_checksum(t) for n, t in second.items()}
-    assert await greedy(shm.inference) == await reference_outputs(tiny_model_dir, second, tmp_path, engine_config)
+    assert await greedy(shm.inference) == await reference.outputs(second, tmp_path)
 
 
 def masked_sync_in_thread(target: str, first: dict, second: dict, masks: dict) -> tuple:
@@ -367,16 +362,14 @@ async def test_a_masked_patch_sends_only_the_masked_elements(shm, tiny_model_dir
     assert {n: digests[n] for n in second} == {n: tensor_checksum(t) for n, t in second.items()}
 
 
-async def test_a_fleet_on_the_trainers_host_syncs_over_shared_memory(shm, engine_config, tiny_model_dir):
+async def test_a_fleet_on_the_trainers_host_syncs_over_shared_memory(shm, engines, engine_config, tiny_model_dir):
     """The fleet drives rlserve_shm as it drives rlserve_gloo (one segment per server, each
     server removes the name of its own): both servers serve what was sent, under one
     version, resumed, and nothing is left in /dev/shm."""
-    from rlserve.engine.adapter import EngineAdapter
     from rlserve.fleet import Fleet
 
     other_config = replace(engine_config, weight_transfer_backend="rlserve_shm")
-    other_engine = await asyncio.to_thread(EngineAdapter.start, other_config)
-    try:
+    async with engines.own(weight_transfer_backend="rlserve_shm") as other_engine:
         config = ServeConfig(engine=other_config, transfer_timeout_s=10.0)
         async with serving(other_engine, config) as other:
             weights = perturbed(tiny_model_dir, seed=35)
@@ -395,6 +388,3 @@ async def test_a_fleet_on_the_trainers_host_syncs_over_shared_memory(shm, engine
                 assert state.pause_phase == lpb.PAUSE_PHASE_RUNNING
                 served = await s.lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())
                 assert dict(served.per_tensor) == sent
-    finally:
-        await other_engine.close()
-        other_engine.shutdown()

@@ -26,7 +26,7 @@ from rlserve.api.vllm import inference_pb2 as pb
 from rlserve.sdk.client import generate_request
 from rlserve.sdk.launch import free_port
 
-from helpers import KEEP, long_request, pause, read_rest
+from helpers import KEEP, eventually, kill_tree, long_request, pause, read_rest
 
 START_S = 180
 
@@ -53,10 +53,7 @@ async def rlserve_process(model: Path, grace_s: float) -> AsyncIterator[tuple[su
                 await asyncio.sleep(0.5)
             yield proc, channel
     finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_tree(proc)
 
 
 def engine_processes(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -64,10 +61,7 @@ def engine_processes(proc: subprocess.Popen) -> list[psutil.Process]:
 
 
 async def exited(proc: subprocess.Popen, within_s: float) -> int:
-    deadline = time.monotonic() + within_s
-    while proc.poll() is None:
-        assert time.monotonic() < deadline, "the server did not exit"
-        await asyncio.sleep(0.1)
+    await eventually(lambda: proc.poll() is not None, timeout_s=within_s, interval_s=0.1)
     return proc.returncode
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import replace
 
 import grpc
 import pytest
@@ -28,6 +27,7 @@ from helpers import (
     checksum,
     chunk_of,
     expect,
+    gloo_config,
     greedy,
     pause,
     perturbed,
@@ -42,7 +42,7 @@ CAP_S = 3.0
 
 
 def config(engine_config, **kw) -> ServeConfig:
-    return ServeConfig(engine=replace(engine_config, weight_transfer_backend="rlserve_gloo"), **kw)
+    return gloo_config(engine_config, **kw)
 
 
 def init_request(info) -> cpb.InitWeightTransferEngineRequest:

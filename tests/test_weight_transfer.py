@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import replace
+import shutil
 from pathlib import Path
 
 import grpc
@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
-from rlserve.config import ServeConfig
 from rlserve.sdk.client import generate_request
 from rlserve.sdk.launch import free_port
 from rlserve.wire.protocol import combined_checksum, tensor_checksum
@@ -25,15 +24,16 @@ from rlserve.wire.protocol import combined_checksum, tensor_checksum
 from helpers import (
     PROMPT,
     HandTrainer,
+    checkpoint,
     checksum,
     chunk_of,
+    engine_greedy,
     expect,
+    gloo_server,
     greedy,
     perturbed,
-    reference_outputs,
     run_trainer,
     save_weights,
-    serving,
 )
 
 INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
@@ -41,8 +41,7 @@ INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED
 
 @pytest_asyncio.fixture(scope="module")
 async def wt(wt_engine, engine_config):
-    config = ServeConfig(engine=replace(engine_config, weight_transfer_backend="rlserve_gloo"), transfer_timeout_s=10.0)
-    async with serving(wt_engine, config) as stubs:
+    async with gloo_server(wt_engine, engine_config, transfer_timeout_s=10.0) as stubs:
         yield stubs
 
 
@@ -67,7 +66,28 @@ async def running_afterwards(stubs):
         await control.ResumeGeneration(cpb.ResumeGenerationRequest())
 
 
-async def test_sync_equals_a_fresh_engine_on_the_same_weights(target, stubs, tiny_model_dir, tmp_path, engine_config):
+async def test_the_reference_engine_answers_as_a_fresh_engine_on_the_checkpoint(
+    engine, engines, reference, tiny_model_dir, tmp_path
+):
+    """The ground truth of every "equals a fresh engine" is itself checked against one: the
+    reference reloaded with other weights gives the tokens of an engine started on them, and
+    reloaded with the checkpoint again those of the session's plain engine, which serves the
+    checkpoint and is never updated."""
+    weights = perturbed(tiny_model_dir, seed=77)
+    ckpt = tmp_path / "fresh"
+    shutil.copytree(tiny_model_dir, ckpt)
+    save_weights(weights, ckpt / "model.safetensors")
+    async with engines.own(model=str(ckpt)) as fresh:
+        truth = await engine_greedy(fresh.llm)
+    original = await engine_greedy(engine.llm)
+    assert truth != original
+    assert await reference.outputs(weights, tmp_path) == truth
+    assert await reference.outputs(checkpoint(tiny_model_dir), tmp_path) == original
+
+
+async def test_sync_equals_a_fresh_engine_on_the_same_weights(
+    target, stubs, tiny_model_dir, tmp_path, engine_config, reference
+):
     control, inference, lifecycle = stubs
     before = await greedy(inference)
     weights = perturbed(tiny_model_dir, seed=1)
@@ -77,7 +97,7 @@ async def test_sync_equals_a_fresh_engine_on_the_same_weights(target, stubs, tin
     assert stats["num_bytes"] == sum(t.numel() * t.element_size() for t in weights.values())
     after = await greedy(inference)
     assert after != before
-    assert after == await reference_outputs(tiny_model_dir, weights, tmp_path, engine_config)
+    assert after == await reference.outputs(weights, tmp_path)
     served = await lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest())
     assert dict(served.per_tensor) == {n: tensor_checksum(t) for n, t in weights.items()}
     assert served.overall == combined_checksum({n: tensor_checksum(t) for n, t in weights.items()}) == stats["checksum"]
@@ -112,7 +132,7 @@ async def test_kept_requests_continue_across_a_sync_with_two_spans(target, stubs
         assert 0 < spans[0][2] < 200
 
 
-async def test_no_stale_prefix_cache_after_an_update(target, stubs, tiny_model_dir, tmp_path, engine_config):
+async def test_no_stale_prefix_cache_after_an_update(target, stubs, tiny_model_dir, tmp_path, engine_config, reference):
     _, inference, _ = stubs
     long_prompt = PROMPT * 8  # several KV blocks, cached by the first request
     first = await greedy(inference, long_prompt)
@@ -121,7 +141,7 @@ async def test_no_stale_prefix_cache_after_an_update(target, stubs, tiny_model_d
     rc, _, err = await run_trainer(target, save_weights(weights, tmp_path / "w.safetensors"), "step-3")
     assert rc == 0, err
     # A fresh engine on the new weights is the truth; the cached prefix must not leak in.
-    fresh_first = await reference_outputs(tiny_model_dir, weights, tmp_path, engine_config, long_prompt)
+    fresh_first = await reference.outputs(weights, tmp_path, long_prompt)
     assert await greedy(inference, long_prompt) == fresh_first != first
 
 

@@ -1,5 +1,5 @@
 """Faults sent into an engine's workers (vLLM's `collective_rpc` with a pickled callable,
-from an engine started under `insecure_serialization()`): edges a well-behaved engine never
+into any engine of the `Engines` cache, which accepts them): edges a well-behaved engine never
 reaches by itself. The test modules register this module to be pickled by value."""
 
 from __future__ import annotations
