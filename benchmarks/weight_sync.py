@@ -4,9 +4,11 @@ In one run, for each model (the tiny test model, and SmolLM2-135M unless --model
 otherwise), the same tensors move through these paths:
 - floor:      a raw gloo broadcast of the same bytes, same buckets, between two processes;
 - memcpy:     one single-threaded copy of the same bytes (the floor for shared memory);
-- rlserve:    WeightSync.sync() against `rlserve serve --weight-transfer-backend rlserve_gloo`
-              (pause -> start -> chunks -> finish -> resume, checksums verified);
-- shm:        the same against `--weight-transfer-backend rlserve_shm`;
+- rlserve:    WeightSync.sync() against `rlserve serve --weight-transfer-backend rlserve_gloo`,
+              staged (stage -> chunks -> prepare while generating, then pause -> finish ->
+              resume; checksums verified), with a generation load running through it;
+- rlserve_paused: the same with staged=False (pause -> start -> chunks -> finish -> resume);
+- shm, shm_paused: the same two against `--weight-transfer-backend rlserve_shm`;
 - in_place:   rlserve_gloo with `--weight-update-mode in-place` (no shadow copy);
 - sparse_1pct, sparse_10pct: rlserve_gloo syncs with patch=True where 1% (10%) of every
               tensor's elements changed since the last sync (spread at random: every layer
@@ -17,17 +19,21 @@ otherwise), the same tensors move through these paths:
 Each path is warmed up once, then timed --repeats times (median); for the SDK paths the
 servers' peak extra resident memory during those syncs is recorded too (shadows or not). The
 last stdout line is one JSON object with seconds per path and the ratios the targets are
-stated in.
+stated in. Each SDK leg says `staged`, `stage_s` (generating meanwhile) and
+`pause_to_resume_s` (generation paused); the staged legs also give the load's tokens/s while
+idle and while a sync stages (trainer, server and load share this machine's cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -38,7 +44,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PeakMemory, child_env, free_port, median, stop_tree, tail  # noqa: E402
 
-from rlserve.sdk.client import Client  # noqa: E402
+from rlserve.sdk.client import Client, generate_request  # noqa: E402
 from rlserve.sdk.weight_sync import WeightSync  # noqa: E402
 from rlserve.wire.gloo_group import GlooGroup  # noqa: E402
 from rlserve.wire.protocol import TensorMeta, plan_buckets  # noqa: E402
@@ -149,28 +155,99 @@ def serve(
 
 
 def sdk_seconds(
-    target: str, weights: dict[str, torch.Tensor], repeats: int, per_tensor: bool, server_pid: int
-) -> dict[str, float]:
+    target: str,
+    weights: dict[str, torch.Tensor],
+    repeats: int,
+    per_tensor: bool,
+    server_pid: int,
+    *,
+    staged: bool = True,
+    load: bool = False,
+) -> dict[str, object]:
     with Client(target) as client:
         size = 1 if per_tensor else BUCKET_BYTES
         sync = WeightSync(client, bucket_bytes=size, chunk_bytes=size if per_tensor else 2**30)
         sync.init()
-        sync.sync(weights, "warm-up")
-        with PeakMemory(server_pid) as memory:
-            runs = [sync.sync(weights, f"v{i}") for i in range(repeats)]
+        sync.sync(weights, "warm-up", staged=staged)
+        with GenerationLoad(target) if load else contextlib.nullcontext() as gen:
+            idle = gen.tokens_per_s(IDLE_S) if gen else None
+            windows = []
+            with PeakMemory(server_pid) as memory:
+                runs = []
+                for i in range(repeats):
+                    t0 = time.perf_counter()
+                    runs.append(sync.sync(weights, f"v{i}", staged=staged))
+                    windows.append((t0, t0 + runs[-1].stage_s))
+            staging = gen.tokens_per_s_in(windows) if gen and staged else None
         sync.close()
-    return {
+    out: dict[str, object] = {
         **medians(runs),
+        "staged": runs[0].staged,
         "num_chunks": runs[0].num_chunks,
         "peak_extra_mb": round((memory.peak_bytes - memory.start_bytes) / 1e6, 1),
     }
+    if idle is not None:
+        out["tokens_per_s_idle"] = round(idle, 1)
+    if staging is not None:
+        out["tokens_per_s_while_staging"] = round(staging, 1)
+    return out
+
+
+IDLE_S = 5.0
+
+
+class GenerationLoad:
+    """A steady generation load on the server (a few streams at a time, each a short greedy
+    answer), its tokens stamped with the time they arrived."""
+
+    def __init__(self, target: str, streams: int = 4, max_new_tokens: int = 32) -> None:
+        self._target, self._streams, self._max_new_tokens = target, streams, max_new_tokens
+        self._stamps: list[float] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(streams)]
+
+    def __enter__(self) -> GenerationLoad:
+        for t in self._threads:
+            t.start()
+        time.sleep(1.0)  # every stream under way
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)
+
+    def _run(self, index: int) -> None:
+        with Client(self._target) as client:
+            n = 0
+            while not self._stop.is_set():
+                request = generate_request(
+                    f"Story {index}-{n}:", max_new_tokens=self._max_new_tokens, temperature=0.0, ignore_eos=True
+                )
+                for chunk in client.inference.GenerateStream(request, timeout=120):
+                    now = time.perf_counter()
+                    with self._lock:
+                        self._stamps.extend([now] * chunk.outputs.num_tokens)
+                n += 1
+
+    def tokens_per_s(self, seconds: float) -> float:
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        return self.tokens_per_s_in([(t0, time.perf_counter())])
+
+    def tokens_per_s_in(self, windows: list[tuple[float, float]]) -> float:
+        with self._lock:
+            stamps = list(self._stamps)
+        tokens = sum(1 for t in stamps for a, b in windows if a <= t < b)
+        return tokens / sum(b - a for a, b in windows)
 
 
 def medians(runs: list) -> dict[str, float]:
     """The median seconds of SyncStats runs."""
     return {
         key: median([getattr(r, key) for r in runs])
-        for key in ("transfer_s", "pause_to_resume_s", "prepare_s", "commit_s")
+        for key in ("transfer_s", "pause_to_resume_s", "prepare_s", "commit_s", "stage_s")
     }
 
 
@@ -279,7 +356,8 @@ def main() -> None:
         r["memcpy_s"] = memcpy_seconds(weights, args.repeats)
         proc, target = serve(model_dir, work, args.dtype)
         try:
-            r["rlserve"] = sdk_seconds(target, weights, args.repeats, False, proc.pid)
+            r["rlserve"] = sdk_seconds(target, weights, args.repeats, False, proc.pid, load=True)
+            r["rlserve_paused"] = sdk_seconds(target, weights, args.repeats, False, proc.pid, staged=False)
             r["per_tensor"] = sdk_seconds(target, weights, max(1, args.repeats // 3), True, proc.pid)
             r["sparse_1pct"] = sparse_seconds(target, weights, 0.01, args.repeats)
             r["sparse_10pct"] = sparse_seconds(target, weights, 0.10, args.repeats)
@@ -292,11 +370,14 @@ def main() -> None:
             stop_tree(proc.pid)
         proc, target = serve(model_dir, work, args.dtype, backend="rlserve_shm")
         try:
-            r["shm"] = sdk_seconds(target, weights, args.repeats, False, proc.pid)
+            r["shm"] = sdk_seconds(target, weights, args.repeats, False, proc.pid, load=True)
+            r["shm_paused"] = sdk_seconds(target, weights, args.repeats, False, proc.pid, staged=False)
         finally:
             stop_tree(proc.pid)
         r["checkpoint"] = checkpoint_seconds(model_dir, weights, args.repeats, work, args.dtype)
-        rl = r["rlserve"]["transfer_s"]  # type: ignore[index]
+        # The transfer against its floor without the generation load the staged legs share
+        # the cores with.
+        rl = r["rlserve_paused"]["transfer_s"]  # type: ignore[index]
         r["ratios"] = {
             "rlserve_over_floor": rl / r["floor_s"],  # target <= 1.25
             # End to end: the checkpoint path's save + reload against rlserve's whole window.
@@ -306,10 +387,16 @@ def main() -> None:
             # rlserve_shm: end to end (pause -> resume) against rlserve_gloo, target >= 2; its
             # transfer's bandwidth against one thread's memcpy of the same bytes, target >= 0.4.
             "gloo_over_shm_pause_to_resume": r["rlserve"]["pause_to_resume_s"] / r["shm"]["pause_to_resume_s"],  # type: ignore[index]
-            "shm_bandwidth_over_memcpy": r["memcpy_s"] / r["shm"]["transfer_s"],  # type: ignore[index,operator]
+            "shm_bandwidth_over_memcpy": r["memcpy_s"] / r["shm_paused"]["transfer_s"],  # type: ignore[index,operator]
             # A sync of 1% changed elements against a whole one, end to end; target >= 10.
             "dense_over_sparse_1pct": r["rlserve"]["pause_to_resume_s"] / r["sparse_1pct"]["pause_to_resume_s"],  # type: ignore[index]
             "dense_over_sparse_10pct": r["rlserve"]["pause_to_resume_s"] / r["sparse_10pct"]["pause_to_resume_s"],  # type: ignore[index]
+            # Staged against paused for the whole sync: how much shorter generation stops.
+            "gloo_paused_over_staged_pause": r["rlserve_paused"]["pause_to_resume_s"]
+            / r["rlserve"]["pause_to_resume_s"],  # type: ignore[index]
+            "shm_paused_over_staged_pause": r["shm_paused"]["pause_to_resume_s"] / r["shm"]["pause_to_resume_s"],  # type: ignore[index]
+            "checkpoint_over_shm_staged_pause": r["checkpoint"]["total_s"] / r["shm"]["pause_to_resume_s"],  # type: ignore[index]
+            "staging_over_idle_tokens_per_s": r["shm"]["tokens_per_s_while_staging"] / r["shm"]["tokens_per_s_idle"],  # type: ignore[index]
         }
         result[name] = r
         log(json.dumps({name: r}))

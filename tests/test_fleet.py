@@ -24,7 +24,7 @@ import pytest
 import pytest_asyncio
 import torch
 import worker_faults
-from worker_faults import fail_next_load
+from worker_faults import fail_next_load, fail_next_prepare
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
@@ -42,10 +42,12 @@ from helpers import (
     greedy,
     kill_tree,
     models_listed,
+    never_paused,
     perturbed,
     save_weights,
     serving,
     wait_for_state,
+    watched,
 )
 
 cloudpickle.register_pickle_by_value(worker_faults)
@@ -162,6 +164,50 @@ async def test_init_names_the_server_that_does_not_fit(servers, tiny_model_dir):
         with pytest.raises(FleetError, match=f"{dead}: UNAVAILABLE"):
             await asyncio.to_thread(fleet.init)
     assert (await state(a)).weight_version == "checkpoint"
+
+
+@pytest.mark.parametrize("fault", ["chunk", "prepare"])
+async def test_a_staged_sync_one_server_fails_neither_commits_and_neither_was_paused(
+    servers, members, tiny_model_dir, fault
+):
+    """Both stage while they generate; one fails (loading a chunk, or preparing its commit):
+    the vote fails, neither commits, and the states each server published show that neither
+    was ever paused for it."""
+    before = [await served(s) for s in servers]
+    weights = perturbed(tiny_model_dir, seed=15)
+    if fault == "prepare":
+        # One tensor of a fused layer: the prepare completes the layer, the loader's second call.
+        weights = {n: t for n, t in weights.items() if n == "model.layers.0.self_attn.q_proj.weight"}
+    await members[1].llm.collective_rpc(fail_next_load if fault == "chunk" else fail_next_prepare)
+    async with watched(servers[0].lifecycle) as first, watched(servers[1].lifecycle) as second:
+        with Fleet([s.target for s in servers], timeout_s=TIMEOUT_S) as fleet:
+            with pytest.raises(FleetSyncError) as e:
+                await asyncio.to_thread(fleet.sync, weights, "never", staged=True)
+    assert e.value.committed == () and e.value.resumed_on_old_weights
+    assert "simulated failure" in e.value.outcomes[servers[1].target].message
+    never_paused(first)
+    never_paused(second)
+    assert any(st.HasField("update_session") and st.update_session.staged for st in first)
+    for s, digests in zip(servers, before, strict=True):
+        st = await state(s)
+        assert st.weight_version == "checkpoint" and not st.HasField("update_session")
+        assert await served(s) == digests
+
+
+async def test_a_staged_fleet_sync_pauses_every_server_for_the_commit_only(servers, tiny_model_dir):
+    weights = perturbed(tiny_model_dir, seed=16)
+    async with watched(servers[0].lifecycle) as first, watched(servers[1].lifecycle) as second:
+        with Fleet([s.target for s in servers], timeout_s=TIMEOUT_S) as fleet:
+            stats = await asyncio.to_thread(fleet.sync, weights, "staged")
+    assert stats.staged and stats.stage_s > 0 and stats.pause_to_resume_s > 0
+    for states in (first, second):
+        receiving = [st for st in states if st.HasField("update_session") and not st.update_session.prepared]
+        never_paused(receiving)
+        assert any(st.pause_phase != lpb.PAUSE_PHASE_RUNNING for st in states)
+    for s in servers:
+        st = await state(s)
+        assert st.weight_version == "staged" and st.pause_phase == lpb.PAUSE_PHASE_RUNNING
+        assert await served(s) == digests_of(weights)
 
 
 async def test_a_server_that_fails_before_the_vote_leaves_every_server_as_it_was(servers, members, tiny_model_dir):
@@ -345,32 +391,44 @@ def and_die(*args):
     print("voted", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 protocol.check_votes = and_die
-Fleet(sys.argv[2:], timeout_s=float(os.environ["TIMEOUT_S"])).sync(load_file(sys.argv[1]), "never")
+staged = os.environ["STAGED"] == "1"
+Fleet(sys.argv[2:], timeout_s=float(os.environ["TIMEOUT_S"])).sync(load_file(sys.argv[1]), "never", staged=staged)
 """
 
 
-async def test_a_trainer_killed_after_the_vote_leaves_every_server_as_it_was(servers, tiny_model_dir, tmp_path):
-    """Every server holds a prepared update and is paused; nothing will finish it. Each
-    server's session lease ends it: the prepared weights are dropped, every server serves
-    the old weights and version again, a request held meanwhile completes, and a new trainer
-    syncs the same servers at once."""
+@pytest.mark.parametrize("staged", [False, True], ids=["paused", "staged"])
+async def test_a_trainer_killed_after_the_vote_leaves_every_server_as_it_was(servers, tiny_model_dir, tmp_path, staged):
+    """Every server holds a prepared update, paused (or, staged, still generating: the pause
+    comes after the vote); nothing will finish it. Each server's session lease ends it: the
+    prepared weights are dropped, every server serves the old weights and version again
+    (staged: without ever having paused), a request held meanwhile completes, and a new
+    trainer syncs the same servers at once."""
     weights = save_weights(perturbed(tiny_model_dir, seed=23), tmp_path / "w.safetensors")
-    trainer = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", TRAINER_KILLED_AFTER_THE_VOTE, str(weights), *(s.target for s in servers),
-        env={**os.environ, "TIMEOUT_S": str(TIMEOUT_S)}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(trainer.communicate(), 120)
-    assert trainer.returncode == -signal.SIGKILL and out == b"voted\n", err.decode()[-3000:]
-    for s in servers:
-        st = await state(s)
-        assert st.pause_phase != lpb.PAUSE_PHASE_RUNNING and st.update_session.prepared
-    held = asyncio.ensure_future(servers[0].inference.Generate(generate_request("held", max_new_tokens=4)))
-    mine = digests_of(checkpoint(tiny_model_dir))
-    for s in servers:
-        st = await wait_for_state(s.lifecycle, lambda st: st.pause_phase == lpb.PAUSE_PHASE_RUNNING, TIMEOUT_S + 10)
-        assert st.weight_version == "checkpoint" and st.weights_consistent and not st.HasField("update_session")
-        assert await served(s) == mine
-    assert (await asyncio.wait_for(held, 30)).outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH
+    async with watched(servers[0].lifecycle) as states:
+        trainer = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", TRAINER_KILLED_AFTER_THE_VOTE, str(weights), *(s.target for s in servers),
+            env={**os.environ, "TIMEOUT_S": str(TIMEOUT_S), "STAGED": "1" if staged else "0"},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(trainer.communicate(), 120)
+        assert trainer.returncode == -signal.SIGKILL and out == b"voted\n", err.decode()[-3000:]
+        for s in servers:
+            st = await state(s)
+            assert st.update_session.prepared and st.update_session.staged is staged
+            assert (st.pause_phase == lpb.PAUSE_PHASE_RUNNING) is staged
+        held = asyncio.ensure_future(servers[0].inference.Generate(generate_request("held", max_new_tokens=4)))
+        mine = digests_of(checkpoint(tiny_model_dir))
+        for s in servers:
+            st = await wait_for_state(
+                s.lifecycle,
+                lambda st: st.pause_phase == lpb.PAUSE_PHASE_RUNNING and not st.HasField("update_session"),
+                TIMEOUT_S + 10,
+            )
+            assert st.weight_version == "checkpoint" and st.weights_consistent
+            assert await served(s) == mine
+        assert (await asyncio.wait_for(held, 30)).outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH
+    if staged:
+        never_paused(states)
     with Fleet([s.target for s in servers], timeout_s=TIMEOUT_S) as fleet:
         await asyncio.to_thread(fleet.sync, perturbed(tiny_model_dir, seed=23), "after")
     for s in servers:

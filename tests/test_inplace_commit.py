@@ -19,7 +19,7 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.config import ServeConfig
 from rlserve.sdk.client import Client
-from rlserve.sdk.weight_sync import WeightSync
+from rlserve.sdk.weight_sync import WeightSync, WeightSyncError
 from rlserve.wire.protocol import tensor_checksum
 
 from helpers import (
@@ -130,3 +130,27 @@ async def test_an_in_place_load_that_fails_half_way_is_reported_and_recovered(s,
     assert not state.weights_consistent
     await expect(grpc.StatusCode.FAILED_PRECONDITION, s.control.ResumeGeneration(cpb.ResumeGenerationRequest()))
     await restored(s, tiny_model_dir)
+
+
+async def test_an_in_place_backend_offers_no_staged_update_and_syncs_under_a_pause(s, tiny_model_dir):
+    """Writing into the served weights while they serve would mix old and new weights in one
+    forward pass: StageWeightUpdate is refused and nothing changes; the SDK then pauses for
+    the whole sync (and refuses staged=True), as before staged updates existed."""
+    state = await s.lifecycle.GetState(lpb.GetStateRequest())
+    assert not state.staged_weight_updates and not state.stages_updates
+    message = await expect(
+        grpc.StatusCode.FAILED_PRECONDITION, s.lifecycle.StageWeightUpdate(lpb.StageWeightUpdateRequest())
+    )
+    assert "in place" in message
+    after = await s.lifecycle.GetState(lpb.GetStateRequest())
+    assert not after.HasField("update_session") and after.weights_consistent
+    assert after.pause_phase == lpb.PAUSE_PHASE_RUNNING
+
+    def staged_sync() -> None:
+        with Client(s.target) as client:
+            WeightSync(client).sync(checkpoint(tiny_model_dir), "never", staged=True)
+
+    with pytest.raises(WeightSyncError, match="cannot stage"):
+        await asyncio.to_thread(staged_sync)
+    stats = await asyncio.to_thread(sync, s.target, perturbed(tiny_model_dir, seed=57), "paused-sync")
+    assert not stats.staged and stats.stage_s == 0

@@ -8,9 +8,12 @@ check script (benchmarks/gpu_check.py) runs the same sequence on a real CUDA eng
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from rlserve.errors import CapabilityMissing, InvalidRequest, MemoryAsleep, WeightsInconsistent
+from rlserve.engine.transport import TransportInit
+from rlserve.errors import CapabilityMissing, InvalidRequest, MemoryAsleep, WeightsInconsistent, WrongState
 from rlserve.lifecycle.controller import LifecycleController
 from rlserve.types import PauseMode, PausePhase, RlCapabilities, SleepTag
 
@@ -111,3 +114,39 @@ async def test_without_sleep_mode_everything_fails_closed():
         with pytest.raises(CapabilityMissing):
             await call
     assert engine.calls == [] and not c.state.is_paused
+
+
+class StagingTransport:
+    """Test double: a backend that stages updates and answers every call at once."""
+
+    backend = "fake"
+    stages_updates = True
+
+    def parse_init(self, raw, max_timeout_s: float) -> TransportInit:
+        return TransportInit(max_timeout_s, "fake", {})
+
+    async def init(self, init: TransportInit) -> None:
+        pass
+
+    async def start(self, is_draft: bool, timeout_s: float) -> None:
+        pass
+
+    async def abort(self, timeout_s: float) -> None:
+        pass
+
+
+async def test_a_refused_sleep_leaves_the_open_sessions_lease_armed():
+    """Sleep with a staged session open is refused; the session's lease must still drop it
+    when its trainer is gone (the refusal used to disarm the lease first: the session then
+    stayed open for ever)."""
+    engine = SleepCapableEngine()
+    engine.transport = StagingTransport()  # type: ignore[assignment]
+    c = LifecycleController(engine, max_held_requests=8, initial_version="default", lease_s=0.2)  # type: ignore[arg-type]  # a partial fake
+    await c.weights.init(b"{}")
+    await c.weights.start(staged=True)
+    assert c.state.update_session is not None and not c.state.is_paused
+    with pytest.raises(WrongState, match="weight update is open"):
+        await c.sleep(1, PauseMode.ABORT)
+    await asyncio.sleep(0.5)
+    assert c.state.update_session is None, "the lease dropped the session"
+    assert not c.state.is_paused and ("sleep", 1, PauseMode.ABORT) not in engine.calls

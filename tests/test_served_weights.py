@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 import torch
 import worker_faults
-from worker_faults import fail_next_load
+from worker_faults import fail_next_load, fail_next_prepare
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
@@ -182,23 +182,6 @@ async def test_a_load_that_fails_half_way_changes_nothing_and_the_next_update_la
     assert await greedy(s.inference) == await reference.outputs(weights, tmp_path)
 
 
-def _fail_second_load(worker) -> None:
-    """The next update's second call into the model's loader fails, once: the first loads the
-    chunk, the second completes the layers it sent in part (at PrepareWeightUpdate)."""
-    cls = type(worker.model_runner.get_model())
-    load = cls.load_weights
-    calls = []
-
-    def failing(self, weights):
-        calls.append(1)
-        if len(calls) == 2:
-            cls.load_weights = load
-            raise RuntimeError("simulated failure while preparing")
-        return load(self, weights)
-
-    cls.load_weights = failing
-
-
 async def test_prepare_does_all_but_the_swap_and_the_commit_then_lands(s, tiny_model_dir):
     """PrepareWeightUpdate completes the fused layer sent in part and processes it beside the
     served model: the served digests are still the old ones, no further chunk is taken (the
@@ -235,7 +218,7 @@ async def test_a_prepare_that_fails_drops_the_update_and_changes_nothing(s, wt_e
     before = await served(s)
     version = (await s.lifecycle.GetState(lpb.GetStateRequest())).weight_version
     q = "model.layers.0.self_attn.q_proj.weight"
-    await wt_engine.llm.collective_rpc(_fail_second_load)
+    await wt_engine.llm.collective_rpc(fail_next_prepare)
     trainer = HandTrainer(s.target)
     try:
         await begin_update(s, trainer)

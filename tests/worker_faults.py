@@ -19,3 +19,20 @@ def fail_next_load(worker) -> None:
             load(self, iter([item]))
 
     cls.load_weights = failing
+
+
+def fail_next_prepare(worker) -> None:
+    """The next update's second call into the model's loader fails, once: the first loads the
+    chunk, the second completes the layers it sent in part (at PrepareWeightUpdate)."""
+    cls = type(worker.model_runner.get_model())
+    load = cls.load_weights
+    calls = []
+
+    def failing(self, weights):
+        calls.append(1)
+        if len(calls) == 2:
+            cls.load_weights = load
+            raise RuntimeError("simulated failure while preparing")
+        return load(self, weights)
+
+    cls.load_weights = failing

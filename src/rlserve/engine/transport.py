@@ -92,14 +92,16 @@ class WeightTransport(ABC):
     async def start(self, is_draft: bool, timeout_s: float) -> None: ...
 
     @abstractmethod
-    async def update(self, chunk: Chunk, timeout_s: float) -> None:
-        """Receive one chunk. Raises InvalidRequest, TransferTimeout (the transport is then
-        out of step with the trainer and needs a new init)."""
+    async def update(self, chunk: Chunk, timeout_s: float) -> int:
+        """Receive one chunk; returns the bytes the update holds beside the served weights
+        now (the largest worker's; 0 in place). Raises InvalidRequest, TransferTimeout (the
+        transport is then out of step with the trainer and needs a new init)."""
 
-    async def prepare(self, timeout_s: float) -> None:
-        """Everything the commit could fail at, done beside the served weights. Raises
-        CommitFailed (nothing went live). A backend that writes into the live weights has
-        nothing left to prepare."""
+    async def prepare(self, timeout_s: float) -> int:
+        """Everything the commit could fail at, done beside the served weights; returns what
+        `update` does. Raises CommitFailed (nothing went live). A backend that writes into
+        the live weights has nothing left to prepare."""
+        return 0
 
     @abstractmethod
     async def finish(self, timeout_s: float) -> None:
@@ -149,6 +151,10 @@ class _Workers:
         for reply in replies:
             raise_for(reply, field)
         return replies
+
+
+def _shadow_bytes(replies: list[Reply]) -> int:
+    return max((int(r.data.get("shadow_bytes", 0)) for r in replies), default=0)
 
 
 def raise_for(reply: Reply, field: str) -> None:
@@ -231,10 +237,11 @@ class GlooTransport(WeightTransport):
             raise CapabilityMissing(f"{self.backend} cannot update a draft model")
         await self._workers.call(Ext.rlserve_begin_session, not self.stages_updates)
 
-    async def update(self, chunk: Chunk, timeout_s: float) -> None:
-        await self._in_workers(
+    async def update(self, chunk: Chunk, timeout_s: float) -> int:
+        replies = await self._in_workers(
             uuid.uuid4().hex, timeout_s, "update_info_json", Ext.rlserve_begin_chunk, chunk.payload, timeout_s
         )
+        return _shadow_bytes(replies)
 
     async def start_lora(self, timeout_s: float) -> None:
         await self._workers.call(Ext.rlserve_begin_lora_session)
@@ -244,9 +251,9 @@ class GlooTransport(WeightTransport):
         await self._workers.call(Ext.rlserve_write_lora, directory, dict(adapter_config), field="update_info_json")
         return f"{directory}/0"
 
-    async def prepare(self, timeout_s: float) -> None:
+    async def prepare(self, timeout_s: float) -> int:
         with self._monitor.busy(timeout_s):
-            await self._workers.call(Ext.rlserve_prepare)
+            return _shadow_bytes(await self._workers.call(Ext.rlserve_prepare))
 
     async def finish(self, timeout_s: float) -> None:
         with self._monitor.busy(timeout_s):
@@ -261,7 +268,9 @@ class GlooTransport(WeightTransport):
     async def close(self) -> None:
         await self._hub.close()
 
-    async def _in_workers(self, op: str, timeout_s: float, field: str, begin: Callable[..., Any], *args: Any) -> None:
+    async def _in_workers(
+        self, op: str, timeout_s: float, field: str, begin: Callable[..., Any], *args: Any
+    ) -> list[Reply]:
         """Start `begin` in every worker's transfer thread and wait for every notice."""
         await self._hub.start()
         workers = range(self._workers.num_workers)
@@ -277,6 +286,7 @@ class GlooTransport(WeightTransport):
                 except WorkerGone as e:
                     raise EngineUnavailable(str(e)) from e
                 raise_for(reply, field)
+            return [notice.result() for notice in done]
         finally:
             self._hub.forget(op, workers)
 
@@ -343,10 +353,11 @@ class VllmTransport(WeightTransport):
         call = self._llm.start_draft_weight_update() if is_draft else self._llm.start_weight_update()
         await self._blocking(timeout_s, call)
 
-    async def update(self, chunk: Chunk, timeout_s: float) -> None:
+    async def update(self, chunk: Chunk, timeout_s: float) -> int:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         await self._blocking(timeout_s, self._llm.update_weights(WeightTransferUpdateRequest(chunk.payload)))
+        return 0  # written into the live weights
 
     async def finish(self, timeout_s: float) -> None:
         try:

@@ -208,13 +208,13 @@ class LifecycleController:
             # pause still under way is waited for below, behind the lock it holds.)
             self._owner.check_alive()
             self._owner.record("pause", detail, "noop")
-            self._lease.disarm()
+            self._rearm_lease()
             drain = None
         else:
             async with self._owner.lock:
                 with self._owner.audited("pause", detail) as outcome:
                     st = self._owner.state
-                    self._lease.disarm()
+                    self._rearm_lease()
                     if st.is_paused and not is_stronger(mode, st):
                         outcome.append("noop")
                         drain = self._drain
@@ -272,7 +272,7 @@ class LifecycleController:
             with self._owner.audited("resume", "") as outcome:
                 st = self._owner.state
                 check_can_resume(st, is_draining=self._drain is not None)
-                self._lease.disarm()
+                self._rearm_lease()
                 if not st.is_paused:
                     outcome.append("noop")
                     return
@@ -282,6 +282,16 @@ class LifecycleController:
         await self._engine.resume()
         self._owner.publish(LifecycleState.running)
         self._gate.open()
+
+    def _rearm_lease(self) -> None:
+        """Whoever decides about the pause takes over its lease; an open session (a staged
+        one is open across pauses and resumes) keeps its own: a trainer that vanishes after
+        pausing for the commit still has its session dropped and generation resumed."""
+        session = self._owner.state.update_session
+        if session is None:
+            self._lease.disarm()
+        else:
+            self._lease.arm(session.session_id)
 
     async def _lease_expired(self, session_id: str | None, token: int) -> None:
         """No update call within the lease: the trainer is gone. Abort its session and, when
@@ -308,11 +318,12 @@ class LifecycleController:
         async with self._owner.lock:
             with self._owner.audited("sleep", f"level={level} mode={mode.name}") as outcome:
                 self._require_sleep_mode()
-                self._lease.disarm()
                 check_sleep_request(level, mode)
                 st = self._owner.state
                 if st.update_session is not None:
+                    # Refused: the session's lease stays armed.
                     raise WrongState("a weight update is open; finish or abort it before Sleep")
+                self._lease.disarm()
                 if self._drain is not None:
                     raise PauseDraining("a WAIT pause is draining; Sleep once PauseGeneration returns")
                 if st.is_sleeping and level <= st.sleep_level:
@@ -378,13 +389,15 @@ class LifecycleController:
     # Observation ------------------------------------------------------------------------
 
     async def snapshot(self) -> LifecycleSnapshot:
+        stages = self._engine.transport is not None and self._engine.transport.stages_updates
         return LifecycleSnapshot(
             state=self._owner.state,
             engines=tuple(await self._engine.engine_statuses()),
             capabilities=self._engine.capabilities(),
             recent_mutations=self._owner.audit_log(),
             weight_dtype=self._engine.weight_dtype,
-            stages_updates=self._engine.transport is not None and self._engine.transport.stages_updates,
+            stages_updates=stages,
+            staged_weight_updates=stages,
             frontends=self.frontends(),
             num_frontends=self._num_frontends,
         )

@@ -41,6 +41,10 @@ class UpdateSession:
     lora_name: str = ""
     # PrepareWeightUpdate succeeded: only the commit (or an abort) is left.
     prepared: bool = False
+    # Opened by StageWeightUpdate: received while generation runs, committed under a pause.
+    staged: bool = False
+    # What the update's shadows hold beside the served weights (the largest worker's).
+    shadow_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,8 @@ class LifecycleSnapshot:
     # Updates are built beside the served weights: an abort or failure leaves them intact.
     stages_updates: bool = False
     frontends: tuple[FrontendStatus, ...] = ()
+    # StageWeightUpdate is offered (a staging backend).
+    staged_weight_updates: bool = False
     num_frontends: int = 1  # configured (--frontends); `frontends` lists those serving
 
 
@@ -156,7 +162,8 @@ def check_pause_change(state: LifecycleState, requested: PauseMode) -> None:
 
 
 def check_can_resume(state: LifecycleState, is_draining: bool) -> None:
-    if state.update_session is not None:
+    """A staged session may stay open across a resume: the served weights are the old ones."""
+    if state.update_session is not None and not state.update_session.staged:
         raise WrongState(
             f"weight update {state.update_session.session_id} is open; "
             "FinishWeightUpdate or AbortWeightUpdate before ResumeGeneration"
@@ -197,6 +204,23 @@ def check_can_start_update(state: LifecycleState) -> None:
         )
     if SleepTag.WEIGHTS in state.asleep:
         raise MemoryAsleep("the weights are asleep; WakeUp with tags=[weights] before StartWeightUpdate")
+
+
+def check_can_stage_update(state: LifecycleState) -> None:
+    """A staged session needs no pause (its commit does)."""
+    check_can_open_session(state)
+    if SleepTag.WEIGHTS in state.asleep:
+        raise MemoryAsleep("the weights are asleep; WakeUp with tags=[weights] before StageWeightUpdate")
+
+
+def check_can_commit(state: LifecycleState, session: UpdateSession) -> None:
+    """A staged session is committed under a pause (a session StartWeightUpdate opened was
+    paused from its start on)."""
+    if session.staged and state.pause_phase is not PausePhase.PAUSED:
+        raise NotPaused(
+            f"weight update {session.session_id} was staged while generating: pause generation "
+            f"before FinishWeightUpdate (state: {state.pause_phase.name}); the pause is only for the swap"
+        )
 
 
 def check_can_init_transport(state: LifecycleState) -> None:

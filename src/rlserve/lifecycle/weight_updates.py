@@ -21,7 +21,9 @@ from rlserve.lifecycle.owner import StateOwner
 from rlserve.lifecycle.rendezvous import check_trainer_host
 from rlserve.lifecycle.state import (
     UpdateSession,
+    check_can_commit,
     check_can_init_transport,
+    check_can_stage_update,
     check_can_start_update,
     check_weight_version,
     require_session,
@@ -81,17 +83,27 @@ class WeightUpdates:
                 self._owner.publish(lambda s: s.transport(ready=True if ready else None, initializing=False))
 
     @survives_caller_cancellation
-    async def start(self, is_draft: bool = False) -> UpdateSession:
-        """Open a session. Raises CapabilityMissing, UpdateInProgress (ABORTED),
-        TransportNotReady / NotPaused / MemoryAsleep (FAILED_PRECONDITION)."""
+    async def start(self, is_draft: bool = False, staged: bool = False) -> UpdateSession:
+        """Open a session: under a pause, or `staged` while generation goes on (its commit
+        then needs the pause). Raises CapabilityMissing (also `staged` for a backend that
+        writes in place), UpdateInProgress (ABORTED), TransportNotReady / NotPaused /
+        MemoryAsleep (FAILED_PRECONDITION)."""
         async with self._owner.lock:
-            with self._owner.audited("start_weight_update", f"draft={is_draft}"):
+            with self._owner.audited("stage_weight_update" if staged else "start_weight_update", f"draft={is_draft}"):
                 transport = self.transport()
                 if is_draft and not self._engine.capabilities().draft_weight_updates_enabled:
                     raise CapabilityMissing("this engine has no draft model whose weights could be updated")
-                check_can_start_update(self._owner.state)
+                if staged and not transport.stages_updates:
+                    raise CapabilityMissing(
+                        f"{transport.backend} writes updates into the served weights (in place): it cannot stage "
+                        "one while generating; pause generation and StartWeightUpdate"
+                    )
+                if staged:
+                    check_can_stage_update(self._owner.state)
+                else:
+                    check_can_start_update(self._owner.state)
                 await transport.start(is_draft, self._timeout_s)
-                session = UpdateSession(uuid.uuid4().hex, is_draft, time.time())
+                session = UpdateSession(uuid.uuid4().hex, is_draft, time.time(), staged=staged)
                 if transport.stages_updates:
                     self._owner.publish(lambda s: s.in_session(session))
                 else:
@@ -127,7 +139,7 @@ class WeightUpdates:
                             f"serves {served[:64]!r}: send the whole tensors, or a patch on {served[:64]!r}"
                         )
                     timeout_s = chunk_deadline_s(self._timeout_s, chunk.num_bytes)
-                    await transport.update(chunk, timeout_s)
+                    held = await transport.update(chunk, timeout_s)
                 except BaseException as e:
                     await self.drop_session("an update chunk failed")
                     if isinstance(e, TransferTimeout):
@@ -141,6 +153,7 @@ class WeightUpdates:
                     num_chunks=session.num_chunks + 1,
                     num_tensors=session.num_tensors + chunk.num_tensors,
                     num_bytes=session.num_bytes + chunk.num_bytes,
+                    shadow_bytes=held,
                 )
                 self._owner.publish(lambda s: s.in_session(received))
                 self._lease.arm(session.session_id)
@@ -157,14 +170,14 @@ class WeightUpdates:
                 transport = self.transport()
                 self._lease.disarm()
                 try:
-                    await transport.prepare(self._timeout_s)
+                    held = await transport.prepare(self._timeout_s)
                 except BaseException as e:
                     await self.drop_session("an in-place update failed to prepare its commit")
                     self._lease.arm(None)
                     if isinstance(e, CommitFailed):
                         raise PrepareFailed(f"preparing the commit failed, the update was dropped: {e}") from e
                     raise
-                session = replace(session, prepared=True)
+                session = replace(session, prepared=True, shadow_bytes=held)
                 self._owner.publish(lambda s: s.in_session(session))
                 self._lease.arm(session.session_id)
                 return session
@@ -177,7 +190,8 @@ class WeightUpdates:
         Raises NoUpdateSession, InvalidRequest, CommitFailed."""
         async with self._owner.lock:
             with self._owner.audited("finish_weight_update", f"version={(version or '')[:64]!r}"):
-                require_session(self._owner.state, "FinishWeightUpdate", lora=False)
+                session = require_session(self._owner.state, "FinishWeightUpdate", lora=False)
+                check_can_commit(self._owner.state, session)
                 if version is not None:
                     check_weight_version(version)
                 transport = self.transport()

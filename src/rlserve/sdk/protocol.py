@@ -4,6 +4,11 @@ it over one, `Fleet` over many):
     pause -> start -> chunks (every server stages and checks each) ->
     prepare (the vote) -> finish with one version -> verify digests -> resume
 
+or, staged (servers that stage updates while they generate, StageWeightUpdate), with the
+pause moved after the vote, so that generation stops only for the swap:
+
+    stage -> chunks -> prepare (the vote) -> pause -> finish -> resume -> verify digests
+
 All or nothing holds up to the vote: a member that refuses a chunk, whose transport breaks,
 that dies or whose prepare fails makes every member abort (`Abandoned`); each keeps the
 weights and version it served, and those the sync paused resume where their weights are
@@ -15,8 +20,9 @@ someone else made (found when the sync began) is left in place.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +59,8 @@ class SyncRequest:
     # Members someone else had paused when the sync began: their pause is theirs to end.
     found_paused: Collection[str] = ()
     bar: Any = None
+    # Stage while generating, pause only for the commit (every member must offer it).
+    staged: bool = False
 
 
 @dataclass
@@ -72,6 +80,9 @@ class SyncReport:
     prepare_s: float
     commit_s: float
     pause_to_resume_s: float
+    # Staged: from opening the sessions to the vote, generation going on meanwhile.
+    staged: bool = False
+    stage_s: float = 0.0
     committed: list[Member] = field(default_factory=list)
     failed: list[Member] = field(default_factory=list)
 
@@ -111,9 +122,16 @@ class SyncProtocol:
     def run(self, sync: SyncRequest) -> SyncReport:
         """Raises Abandoned before the vote; after it, returns the report (failures in it)."""
         members = list(sync.members)
-        t_pause = time.perf_counter()
-        transfer_s, prepare_s = self._up_to_the_vote(sync, members)
+        t_begin = time.perf_counter()
+        if sync.staged:
+            transfer_s, prepare_s = self._staged_up_to_the_vote(sync, members)
+            stage_s, t_pause = time.perf_counter() - t_begin, time.perf_counter()
+            self._pause_after_the_vote(sync, members)
+        else:
+            stage_s, t_pause = 0.0, t_begin
+            transfer_s, prepare_s = self._up_to_the_vote(sync, members)
         report = self._commit(sync, members, transfer_s, prepare_s)
+        report.staged, report.stage_s = sync.staged, stage_s
         if sync.verify and sync.verify_while_paused:
             self._verify(members, report)
         to_resume = [m for m in members if report.outcomes[m.name] == COMMITTED and m.name not in sync.found_paused]
@@ -128,35 +146,62 @@ class SyncProtocol:
     def _up_to_the_vote(self, sync: SyncRequest, members: list[Member]) -> tuple[float, float]:
         """Pause, start, chunks, prepare and the vote; any failure abandons the sync (Abandoned).
         Returns the seconds of the transfer and of the prepare."""
-        num_bytes = sum(c.num_bytes for c in sync.chunks)
         pause = cpb.PauseGenerationRequest(mode=PAUSE_MODES[sync.pause_mode])
         replies = each(members, lambda m: m.client.control.PauseGeneration.future(pause, timeout=self._pause_timeout_s))
         paused = [m for m in members if not isinstance(replies[m.name], BaseException)]
         ours = [m for m in paused if m.name not in sync.found_paused]
-        try:
+        with self._abandoning(members, ours):
             if len(paused) < len(members):
                 raise Failed("pause", {n: Outcome.of(r) for n, r in replies.items() if isinstance(r, BaseException)})
             step(members, "start", self._call("StartWeightUpdate", cpb.StartWeightUpdateRequest()))
-            t0 = time.perf_counter()
-            for chunk in sync.chunks:
-                self._group.send_chunk(members, chunk, sync.tensors, sync.bar)
-            transfer_s = time.perf_counter() - t0
-            prepared = step(
-                members,
-                "prepare",
-                self._call(
-                    "PrepareWeightUpdate",
-                    lifecycle_pb2.PrepareWeightUpdateRequest(),
-                    lifecycle=True,
-                    timeout_s=step_timeout_s(self._timeout_s, num_bytes),
-                ),
-            )
-            check_votes(prepared, len(sync.chunks), sum(len(c.tensors) for c in sync.chunks))
+            return self._send_and_vote(sync, members)
+
+    def _staged_up_to_the_vote(self, sync: SyncRequest, members: list[Member]) -> tuple[float, float]:
+        """Stage, chunks, prepare and the vote while every member generates; a failure
+        abandons the sync (Abandoned) before any member was paused for it."""
+        with self._abandoning(members, []):
+            stage = lifecycle_pb2.StageWeightUpdateRequest()
+            step(members, "stage", self._call("StageWeightUpdate", stage, lifecycle=True))
+            return self._send_and_vote(sync, members)
+
+    def _pause_after_the_vote(self, sync: SyncRequest, members: list[Member]) -> None:
+        """Every member voted yes: pause them all for the commit; one that cannot be paused
+        abandons the sync (the others resume on their old weights)."""
+        pause = cpb.PauseGenerationRequest(mode=PAUSE_MODES[sync.pause_mode])
+        replies = each(members, lambda m: m.client.control.PauseGeneration.future(pause, timeout=self._pause_timeout_s))
+        failed = {n: Outcome.of(r) for n, r in replies.items() if isinstance(r, BaseException)}
+        if failed:
+            ours = [m for m in members if m.name not in failed and m.name not in sync.found_paused]
+            raise self.abandon(members, ours, Failed("pause", failed))
+
+    def _send_and_vote(self, sync: SyncRequest, members: list[Member]) -> tuple[float, float]:
+        num_bytes = sum(c.num_bytes for c in sync.chunks)
+        t0 = time.perf_counter()
+        for chunk in sync.chunks:
+            self._group.send_chunk(members, chunk, sync.tensors, sync.bar)
+        transfer_s = time.perf_counter() - t0
+        prepared = step(
+            members,
+            "prepare",
+            self._call(
+                "PrepareWeightUpdate",
+                lifecycle_pb2.PrepareWeightUpdateRequest(),
+                lifecycle=True,
+                timeout_s=step_timeout_s(self._timeout_s, num_bytes),
+            ),
+        )
+        check_votes(prepared, len(sync.chunks), sum(len(c.tensors) for c in sync.chunks))
+        return transfer_s, time.perf_counter() - t0 - transfer_s
+
+    @contextlib.contextmanager
+    def _abandoning(self, members: list[Member], ours: list[Member]) -> Iterator[None]:
+        """Any failure inside abandons the sync: Abandoned, `ours` resumed where whole."""
+        try:
+            yield
         except Failed as e:
             raise self.abandon(members, ours, e) from e
         except Exception as e:  # the trainer's side (a tensor that cannot be copied, say)
             raise self.abandon(members, ours, Failed("transfer", {"trainer": Outcome.of(e)})) from e
-        return transfer_s, time.perf_counter() - t0 - transfer_s
 
     def _commit(self, sync: SyncRequest, members: list[Member], transfer_s: float, prepare_s: float) -> SyncReport:
         """The vote is in: from here on a member that fails is reported, the others commit."""

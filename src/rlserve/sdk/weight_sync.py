@@ -66,6 +66,10 @@ class SyncStats:
     # False when the server was paused by someone else when the sync began: it is left
     # paused, as it was found (pause_to_resume_s then ends at the commit).
     resumed: bool = True
+    # Staged (StageWeightUpdate): chunks and prepare while the server generated, for
+    # `stage_s`; generation paused for `pause_to_resume_s` only (the commit).
+    staged: bool = False
+    stage_s: float = 0.0
 
     @property
     def transfer_gb_per_s(self) -> float:
@@ -155,15 +159,19 @@ class WeightSync:
         verify: bool = True,
         progress: bool = False,
         patch: bool | Mapping[str, torch.Tensor] = False,
+        staged: bool | None = None,
     ) -> SyncStats:
         """Push `weights` (names as in the served HF checkpoint; a subset updates only those)
-        and publish `version`. `patch=True` sends only the elements that changed since this
+        and publish `version`. `staged` (default: where the server offers it) receives and
+        prepares the update while the server generates with its old weights, and pauses
+        generation only for the commit; False pauses it for the whole sync. `patch=True` sends only the elements that changed since this
         object's last sync with `patch=True` (it keeps a copy of what it sent: the model's
         size again); `patch={name: bool mask}` sends the masked elements of those tensors
         only, as changes to the weights the server serves now. Where a patch would be no
         smaller, or the server no longer serves what was last sent, the whole tensors go."""
         mode = PauseMode(pause_mode)
         tensors, chunks, dense, state = self._begin(weights, patch)
+        staged = _staging(state, staged)
         # Someone else's pause (an operator draining the server) is theirs to end.
         resume = state.pause_phase == lifecycle_pb2.PAUSE_PHASE_RUNNING
         name = self._member.name
@@ -178,6 +186,7 @@ class WeightSync:
             verify_while_paused=False,  # the pause ends at the commit; a wrong digest still fails
             found_paused=() if resume else (name,),
             bar=bar,
+            staged=staged,
         )
         try:
             report = self._protocol.run(request)
@@ -317,6 +326,17 @@ class WeightSync:
         return WeightSyncError(f"weight sync failed: {reason}", resumed_on_old_weights=False, code=cause.code)
 
 
+def _staging(state: Any, asked: bool | None) -> bool:
+    """Whether to stage: as asked, or where the server offers it (None)."""
+    if asked and not state.staged_weight_updates:
+        raise WeightSyncError(
+            "the server cannot stage an update while it generates (an in-place backend); sync with staged=False",
+            resumed_on_old_weights=True,
+            code=grpc.StatusCode.FAILED_PRECONDITION,
+        )
+    return bool(state.staged_weight_updates) if asked is None else asked
+
+
 def _cause(error: BaseException) -> Outcome:
     """The first failure behind `error` (a step's, a call's or the trainer's)."""
     if isinstance(error, Failed):
@@ -345,4 +365,6 @@ def _stats(report: SyncReport, version: str, chunks: list[ChunkInfo], served: st
         prepare_s=report.prepare_s,
         checksum=served if served is not None else combined_checksum(report.sent),
         resumed=resumed,
+        staged=report.staged,
+        stage_s=report.stage_s,
     )

@@ -78,6 +78,7 @@ RULES: dict[str, Role] = {
     "/rlserve.v1.Lifecycle/UpdateWeightVersion": Role.ADMIN,
     "/rlserve.v1.Lifecycle/AbortWeightUpdate": Role.ADMIN,
     "/rlserve.v1.Lifecycle/PrepareWeightUpdate": Role.ADMIN,
+    "/rlserve.v1.Lifecycle/StageWeightUpdate": Role.ADMIN,
 }
 # Read-only server information routers ask the inference address for (vllm-router does).
 INFERENCE_CONTROL_READS = (

@@ -101,6 +101,8 @@ def update_session(session: UpdateSession) -> lifecycle_pb2.WeightUpdateSession:
         started_unix_s=session.started_unix_s,
         lora_name=session.lora_name,
         prepared=session.prepared,
+        staged=session.staged,
+        shadow_bytes=session.shadow_bytes,
     )
 
 
@@ -111,6 +113,7 @@ def lifecycle_snapshot(snap: LifecycleSnapshot) -> lifecycle_pb2.LifecycleState:
     msg.capabilities.CopyFrom(capabilities(snap.capabilities))
     msg.weight_dtype = snap.weight_dtype
     msg.stages_updates = snap.stages_updates
+    msg.staged_weight_updates = snap.staged_weight_updates
     msg.num_frontends = snap.num_frontends
     for f in snap.frontends:
         msg.frontends.add(

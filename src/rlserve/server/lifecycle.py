@@ -51,6 +51,11 @@ class LifecycleServicer(lifecycle_pb2_grpc.LifecycleServicer):
         return pb.PrepareWeightUpdateResponse(session=convert_lifecycle.update_session(session))
 
     @translate_errors
+    async def StageWeightUpdate(self, request: pb.StageWeightUpdateRequest, context: Ctx):
+        session = await self._slot.lifecycle.weights.start(staged=True)
+        return pb.StageWeightUpdateResponse(session=convert_lifecycle.update_session(session))
+
+    @translate_errors
     async def GetWeightChecksum(self, request: pb.GetWeightChecksumRequest, context: Ctx) -> pb.WeightChecksum:
         return convert_lifecycle.weight_checksum(await self._slot.lifecycle.weights.checksums())
 

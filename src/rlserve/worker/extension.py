@@ -104,7 +104,7 @@ class RlserveWorkerExtension:
 
         def work() -> Reply:
             receiver.receive(info, timeout_s)
-            return Reply(True)
+            return Reply(True, data={"shadow_bytes": receiver.held_bytes()})
 
         try:
             receiver = self._rlserve_receiver()
@@ -119,7 +119,8 @@ class RlserveWorkerExtension:
 
         def prepare() -> Reply:
             with vllm_compat.current_config(self):
-                return Reply(True, data={"num_tensors": self._rlserve_receiver().prepare()})
+                receiver = self._rlserve_receiver()
+                return Reply(True, data={"num_tensors": receiver.prepare(), "shadow_bytes": receiver.held_bytes()})
 
         return _run(prepare)
 

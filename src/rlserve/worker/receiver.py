@@ -295,6 +295,17 @@ class Receiver:
         (path / "adapter_config.json").write_text(json.dumps(dict(adapter_config)))
         return len(staged)
 
+    def held_bytes(self) -> int:
+        """What the open session holds beside the served weights: its shadows (model
+        weights) or the adapter's tensors received; 0 without a session."""
+        with self._lock:
+            session = self._session
+        if session is None:
+            return 0
+        if session.update is None:
+            return sum(t.nbytes for t in session.lora.values())
+        return session.update.held_bytes()
+
     def prepare(self) -> int:
         """Phase one of the commit: complete and process every staged layer beside the served
         model (`ShadowUpdate.prepare`); the session stays open for `commit()` or `abort()`.

@@ -86,6 +86,16 @@ class ShadowUpdate:
         self._install(list(self._ready))
         return count
 
+    def held_bytes(self) -> int:
+        """The bytes of the tensors the shadows hold now beside the served model: distinct
+        storages the served modules do not share, written ones only (a shadow tensor stays on
+        the meta device until loaded)."""
+        layers = {self._served.layer_of(name) for name in self._arrived}
+        shadows = [self._shadow[layer] for layer in layers if layer in self._shadow] + list(self._ready.values())
+        served = {s.data_ptr() for layer in layers if layer in self._live for s in _storages(self._live[layer])}
+        held = {s.data_ptr(): s.nbytes() for shadow in shadows for s in _storages(shadow) if s.data_ptr() not in served}
+        return sum(held.values())
+
     @property
     def went_live(self) -> bool:
         """Whether any layer of this update was installed (in place, or by the commit)."""
@@ -136,6 +146,13 @@ class ShadowUpdate:
         finally:
             if layers:
                 self._served.invalidate()
+
+
+def _storages(module: torch.nn.Module) -> list[torch.UntypedStorage]:
+    """The written storages of a module's own tensors (its tables and its attributes)."""
+    tensors = [*table(module, PARAMETERS).values(), *table(module, BUFFERS).values()]
+    tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+    return [t.untyped_storage() for t in tensors if t is not None and t.device.type != "meta"]
 
 
 def _shadow_tree(module: torch.nn.Module, memo: dict[int, torch.nn.Module]) -> torch.nn.Module:

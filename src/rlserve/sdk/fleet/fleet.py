@@ -27,7 +27,7 @@ from rlserve.sdk.fleet.members import (
 from rlserve.sdk.fleet.routing import FleetRouter
 from rlserve.sdk.group import RendezvousFailed, TransferGroup
 from rlserve.sdk.plan import DEFAULT_CHUNK_BYTES, NamedTensors, check_sizes, plan_sync
-from rlserve.sdk.protocol import Abandoned, SyncProtocol, SyncRequest
+from rlserve.sdk.protocol import Abandoned, SyncProtocol, SyncReport, SyncRequest
 from rlserve.sdk.senders import SENDERS
 from rlserve.types import PauseMode
 from rlserve.wire.protocol import DEFAULT_BUCKET_BYTES, combined_checksum
@@ -185,10 +185,14 @@ class Fleet:
         *,
         pause_mode: PauseMode | str = PauseMode.KEEP,
         verify: bool = True,
+        staged: bool | None = None,
     ) -> FleetSyncStats:
         """Push `weights` (checkpoint names; a subset updates only those, unless a server
         joined since the last sync) into every server and publish `version` on all of them,
-        as described in the module's docstring. Raises FleetSyncError."""
+        as described in the module's docstring. `staged` (default: where every server offers
+        it): all stage and prepare while generating, then all pause for the commit, so that
+        the fleet's pause lasts for the slowest commit, not the slowest transfer. Raises
+        FleetSyncError."""
         mode = PauseMode(pause_mode)
         t_init = time.perf_counter()
         states = self._current_states()
@@ -201,7 +205,8 @@ class Fleet:
             self.init(require_same_weights=False, span=self._group.span_of(chunks))
         init_s = time.perf_counter() - t_init
         self._check_partial(members, set(tensors))
-        request = SyncRequest(members, chunks, tensors, version, mode, verify, found_paused=found_paused)
+        staged = _staging(states, staged)
+        request = SyncRequest(members, chunks, tensors, version, mode, verify, found_paused=found_paused, staged=staged)
         try:
             report = self._protocol.run(request)
         except Abandoned as e:
@@ -221,20 +226,7 @@ class Fleet:
         stuck = {n: str(r) for n, r in report.resumed.items() if not r.ok}
         if stuck:
             logger.warning("fleet: committed %r but resume failed on %s", version, stuck)
-        return FleetSyncStats(
-            weight_version=version,
-            servers=tuple(m.name for m in members),
-            num_tensors=len(report.sent),
-            num_bytes=sum(c.num_bytes for c in chunks),
-            num_chunks=len(chunks),
-            init_s=init_s,
-            transfer_s=report.transfer_s,
-            prepare_s=report.prepare_s,
-            commit_s=report.commit_s,
-            pause_to_resume_s=report.pause_to_resume_s,
-            checksum=combined_checksum(report.sent),
-            left_paused=tuple(sorted(found_paused)),
-        )
+        return _stats(report, version, members, chunks, init_s, found_paused)
 
     def _check_partial(self, members: list[Member], names: set[str]) -> None:
         """A sync that leaves tensors out keeps those as each server serves them: only right
@@ -324,3 +316,32 @@ class Fleet:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _staging(states: dict[str, Any], asked: bool | None) -> bool:
+    """Whether to stage: as asked, or where every server offers it (None)."""
+    every = all(s.staged_weight_updates for s in states.values())
+    if asked and not every:
+        raise ValueError("not every server can stage an update while it generates: sync with staged=False")
+    return every if asked is None else asked
+
+
+def _stats(
+    report: SyncReport, version: str, members: list[Member], chunks: list, init_s: float, found_paused: set[str]
+) -> FleetSyncStats:
+    return FleetSyncStats(
+        weight_version=version,
+        servers=tuple(m.name for m in members),
+        num_tensors=len(report.sent),
+        num_bytes=sum(c.num_bytes for c in chunks),
+        num_chunks=len(chunks),
+        init_s=init_s,
+        transfer_s=report.transfer_s,
+        prepare_s=report.prepare_s,
+        commit_s=report.commit_s,
+        pause_to_resume_s=report.pause_to_resume_s,
+        checksum=combined_checksum(report.sent),
+        left_paused=tuple(sorted(found_paused)),
+        staged=report.staged,
+        stage_s=report.stage_s,
+    )

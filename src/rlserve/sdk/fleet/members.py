@@ -53,6 +53,10 @@ class FleetSyncStats:
     checksum: str
     # Servers someone else had paused when the sync began: left paused, as found.
     left_paused: tuple[str, ...] = ()
+    # Staged: every server received and prepared while generating (`stage_s`), and was
+    # paused for the commit only (`pause_to_resume_s`).
+    staged: bool = False
+    stage_s: float = 0.0
 
 
 def require_same(values: Mapping[str, str], what: str) -> None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlserve.api.vllm import control_pb2 as rlserve_dot_api_dot_vllm_dot_control__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&rlserve/api/rlserve/v1/lifecycle.proto\x12\nrlserve.v1\x1a\x1erlserve/api/vllm/control.proto\"n\n\x16StartLoraUpdateRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x1b\n\x13\x61\x64\x61pter_config_json\x18\x03 \x01(\x0c\x12\x13\n\x0bnew_version\x18\x04 \x01(\x08\"\x19\n\x17StartLoraUpdateResponse\"\x19\n\x17\x46inishLoraUpdateRequest\"O\n\x18\x46inishLoraUpdateResponse\x12\"\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x11.vllm.LoraAdapter\x12\x0f\n\x07version\x18\x02 \x01(\t\"\x10\n\x0eGetLoadRequest\"\x91\x01\n\nEngineLoad\x12\x1a\n\x12\x64\x61ta_parallel_rank\x18\x01 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x02 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x13\n\x0bunix_time_s\x18\x05 \x01(\x01\"r\n\nLoadReport\x12\'\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x16.rlserve.v1.EngineLoad\x12\x19\n\x11num_held_requests\x18\x02 \x01(\r\x12 \n\x18num_outstanding_requests\x18\x03 \x01(\r\"\x1c\n\x1aPrepareWeightUpdateRequest\"O\n\x1bPrepareWeightUpdateResponse\x12\x30\n\x07session\x18\x01 \x01(\x0b\x32\x1f.rlserve.v1.WeightUpdateSession\"\x1a\n\x18\x41\x62ortWeightUpdateRequest\"\x1b\n\x19\x41\x62ortWeightUpdateResponse\"\x1a\n\x18GetWeightChecksumRequest\"\xc3\x01\n\x0eWeightChecksum\x12\x11\n\talgorithm\x18\x01 \x01(\t\x12\x0f\n\x07overall\x18\x02 \x01(\t\x12=\n\nper_tensor\x18\x03 \x03(\x0b\x32).rlserve.v1.WeightChecksum.PerTensorEntry\x12\x1c\n\x14inconsistent_tensors\x18\x04 \x03(\t\x1a\x30\n\x0ePerTensorEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb4\x01\n\x13WeightUpdateSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08is_draft\x18\x02 \x01(\x08\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12\x13\n\x0bnum_tensors\x18\x04 \x01(\x04\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x12\x16\n\x0estarted_unix_s\x18\x06 \x01(\x01\x12\x11\n\tlora_name\x18\x07 \x01(\t\x12\x10\n\x08prepared\x18\x08 \x01(\x08\"\x11\n\x0fGetStateRequest\"\x13\n\x11WatchStateRequest\"Q\n\x0b\x45ngineState\x12\x1a\n\x12\x64\x61ta_parallel_rank\x18\x01 \x01(\r\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12\x16\n\x0eweight_version\x18\x03 \x01(\t\"m\n\x08\x46rontend\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x14\n\x0cnum_requests\x18\x03 \x01(\x04\x12\x19\n\x11num_open_requests\x18\x04 \x01(\r\x12\x14\n\x0cnum_restarts\x18\x05 \x01(\r\"w\n\nAuditEntry\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x11\n\toperation\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x0f\n\x07outcome\x18\x04 \x01(\t\x12\x13\n\x0bunix_time_s\x18\x05 \x01(\x01\x12\x0e\n\x06\x63\x61ller\x18\x06 \x01(\t\"\xa0\x05\n\x0eLifecycleState\x12\x10\n\x08revision\x18\x01 \x01(\x04\x12+\n\x0bpause_phase\x18\x02 \x01(\x0e\x32\x16.rlserve.v1.PausePhase\x12#\n\npause_mode\x18\x03 \x01(\x0e\x32\x0f.vllm.PauseMode\x12\x0e\n\x06\x61sleep\x18\x04 \x03(\t\x12\x13\n\x0bsleep_level\x18\x05 \x01(\r\x12\x1a\n\x12weights_consistent\x18\x06 \x01(\x08\x12\x1c\n\x14inconsistency_reason\x18\x07 \x01(\t\x12\x16\n\x0eweight_version\x18\x08 \x01(\t\x12\x19\n\x11num_held_requests\x18\t \x01(\r\x12(\n\x07\x65ngines\x18\n \x03(\x0b\x32\x17.rlserve.v1.EngineState\x12*\n\x0c\x63\x61pabilities\x18\x0b \x01(\x0b\x32\x14.vllm.RlCapabilities\x12\x30\n\x10recent_mutations\x18\x0c \x03(\x0b\x32\x16.rlserve.v1.AuditEntry\x12\x17\n\x0ftransport_ready\x18\r \x01(\x08\x12<\n\x0eupdate_session\x18\x0e \x01(\x0b\x32\x1f.rlserve.v1.WeightUpdateSessionH\x00\x88\x01\x01\x12\x1e\n\x16transport_initializing\x18\x0f \x01(\x08\x12\x18\n\x10insecure_control\x18\x10 \x01(\x08\x12\x14\n\x0cweight_dtype\x18\x11 \x01(\t\x12\x16\n\x0estages_updates\x18\x12 \x01(\x08\x12\'\n\tfrontends\x18\x13 \x03(\x0b\x32\x14.rlserve.v1.Frontend\x12\x15\n\rnum_frontends\x18\x14 \x01(\rB\x11\n\x0f_update_session\"v\n\x1aUpdateWeightVersionRequest\x12\x16\n\x0eweight_version\x18\x01 \x01(\t\x12$\n\x17\x65xpected_weight_version\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x1a\n\x18_expected_weight_version\">\n\x1bUpdateWeightVersionResponse\x12\x1f\n\x17previous_weight_version\x18\x01 \x01(\t*s\n\nPausePhase\x12\x1b\n\x17PAUSE_PHASE_UNSPECIFIED\x10\x00\x12\x17\n\x13PAUSE_PHASE_RUNNING\x10\x01\x12\x17\n\x13PAUSE_PHASE_PAUSING\x10\x02\x12\x16\n\x12PAUSE_PHASE_PAUSED\x10\x03\x32\x9e\x06\n\tLifecycle\x12\x43\n\x08GetState\x12\x1b.rlserve.v1.GetStateRequest\x1a\x1a.rlserve.v1.LifecycleState\x12I\n\nWatchState\x12\x1d.rlserve.v1.WatchStateRequest\x1a\x1a.rlserve.v1.LifecycleState0\x01\x12\x66\n\x13UpdateWeightVersion\x12&.rlserve.v1.UpdateWeightVersionRequest\x1a\'.rlserve.v1.UpdateWeightVersionResponse\x12`\n\x11\x41\x62ortWeightUpdate\x12$.rlserve.v1.AbortWeightUpdateRequest\x1a%.rlserve.v1.AbortWeightUpdateResponse\x12\x66\n\x13PrepareWeightUpdate\x12&.rlserve.v1.PrepareWeightUpdateRequest\x1a\'.rlserve.v1.PrepareWeightUpdateResponse\x12U\n\x11GetWeightChecksum\x12$.rlserve.v1.GetWeightChecksumRequest\x1a\x1a.rlserve.v1.WeightChecksum\x12=\n\x07GetLoad\x12\x1a.rlserve.v1.GetLoadRequest\x1a\x16.rlserve.v1.LoadReport\x12Z\n\x0fStartLoraUpdate\x12\".rlserve.v1.StartLoraUpdateRequest\x1a#.rlserve.v1.StartLoraUpdateResponse\x12]\n\x10\x46inishLoraUpdate\x12#.rlserve.v1.FinishLoraUpdateRequest\x1a$.rlserve.v1.FinishLoraUpdateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&rlserve/api/rlserve/v1/lifecycle.proto\x12\nrlserve.v1\x1a\x1erlserve/api/vllm/control.proto\"n\n\x16StartLoraUpdateRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x1b\n\x13\x61\x64\x61pter_config_json\x18\x03 \x01(\x0c\x12\x13\n\x0bnew_version\x18\x04 \x01(\x08\"\x19\n\x17StartLoraUpdateResponse\"\x19\n\x17\x46inishLoraUpdateRequest\"O\n\x18\x46inishLoraUpdateResponse\x12\"\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x11.vllm.LoraAdapter\x12\x0f\n\x07version\x18\x02 \x01(\t\"\x10\n\x0eGetLoadRequest\"\x91\x01\n\nEngineLoad\x12\x1a\n\x12\x64\x61ta_parallel_rank\x18\x01 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x02 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x13\n\x0bunix_time_s\x18\x05 \x01(\x01\"r\n\nLoadReport\x12\'\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x16.rlserve.v1.EngineLoad\x12\x19\n\x11num_held_requests\x18\x02 \x01(\r\x12 \n\x18num_outstanding_requests\x18\x03 \x01(\r\"\x1a\n\x18StageWeightUpdateRequest\"M\n\x19StageWeightUpdateResponse\x12\x30\n\x07session\x18\x01 \x01(\x0b\x32\x1f.rlserve.v1.WeightUpdateSession\"\x1c\n\x1aPrepareWeightUpdateRequest\"O\n\x1bPrepareWeightUpdateResponse\x12\x30\n\x07session\x18\x01 \x01(\x0b\x32\x1f.rlserve.v1.WeightUpdateSession\"\x1a\n\x18\x41\x62ortWeightUpdateRequest\"\x1b\n\x19\x41\x62ortWeightUpdateResponse\"\x1a\n\x18GetWeightChecksumRequest\"\xc3\x01\n\x0eWeightChecksum\x12\x11\n\talgorithm\x18\x01 \x01(\t\x12\x0f\n\x07overall\x18\x02 \x01(\t\x12=\n\nper_tensor\x18\x03 \x03(\x0b\x32).rlserve.v1.WeightChecksum.PerTensorEntry\x12\x1c\n\x14inconsistent_tensors\x18\x04 \x03(\t\x1a\x30\n\x0ePerTensorEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xda\x01\n\x13WeightUpdateSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08is_draft\x18\x02 \x01(\x08\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12\x13\n\x0bnum_tensors\x18\x04 \x01(\x04\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x12\x16\n\x0estarted_unix_s\x18\x06 \x01(\x01\x12\x11\n\tlora_name\x18\x07 \x01(\t\x12\x10\n\x08prepared\x18\x08 \x01(\x08\x12\x0e\n\x06staged\x18\t \x01(\x08\x12\x14\n\x0cshadow_bytes\x18\n \x01(\x04\"\x11\n\x0fGetStateRequest\"\x13\n\x11WatchStateRequest\"Q\n\x0b\x45ngineState\x12\x1a\n\x12\x64\x61ta_parallel_rank\x18\x01 \x01(\r\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12\x16\n\x0eweight_version\x18\x03 \x01(\t\"m\n\x08\x46rontend\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x14\n\x0cnum_requests\x18\x03 \x01(\x04\x12\x19\n\x11num_open_requests\x18\x04 \x01(\r\x12\x14\n\x0cnum_restarts\x18\x05 \x01(\r\"w\n\nAuditEntry\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x11\n\toperation\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x0f\n\x07outcome\x18\x04 \x01(\t\x12\x13\n\x0bunix_time_s\x18\x05 \x01(\x01\x12\x0e\n\x06\x63\x61ller\x18\x06 \x01(\t\"\xbf\x05\n\x0eLifecycleState\x12\x10\n\x08revision\x18\x01 \x01(\x04\x12+\n\x0bpause_phase\x18\x02 \x01(\x0e\x32\x16.rlserve.v1.PausePhase\x12#\n\npause_mode\x18\x03 \x01(\x0e\x32\x0f.vllm.PauseMode\x12\x0e\n\x06\x61sleep\x18\x04 \x03(\t\x12\x13\n\x0bsleep_level\x18\x05 \x01(\r\x12\x1a\n\x12weights_consistent\x18\x06 \x01(\x08\x12\x1c\n\x14inconsistency_reason\x18\x07 \x01(\t\x12\x16\n\x0eweight_version\x18\x08 \x01(\t\x12\x19\n\x11num_held_requests\x18\t \x01(\r\x12(\n\x07\x65ngines\x18\n \x03(\x0b\x32\x17.rlserve.v1.EngineState\x12*\n\x0c\x63\x61pabilities\x18\x0b \x01(\x0b\x32\x14.vllm.RlCapabilities\x12\x30\n\x10recent_mutations\x18\x0c \x03(\x0b\x32\x16.rlserve.v1.AuditEntry\x12\x17\n\x0ftransport_ready\x18\r \x01(\x08\x12<\n\x0eupdate_session\x18\x0e \x01(\x0b\x32\x1f.rlserve.v1.WeightUpdateSessionH\x00\x88\x01\x01\x12\x1e\n\x16transport_initializing\x18\x0f \x01(\x08\x12\x18\n\x10insecure_control\x18\x10 \x01(\x08\x12\x14\n\x0cweight_dtype\x18\x11 \x01(\t\x12\x16\n\x0estages_updates\x18\x12 \x01(\x08\x12\'\n\tfrontends\x18\x13 \x03(\x0b\x32\x14.rlserve.v1.Frontend\x12\x15\n\rnum_frontends\x18\x14 \x01(\r\x12\x1d\n\x15staged_weight_updates\x18\x15 \x01(\x08\x42\x11\n\x0f_update_session\"v\n\x1aUpdateWeightVersionRequest\x12\x16\n\x0eweight_version\x18\x01 \x01(\t\x12$\n\x17\x65xpected_weight_version\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x1a\n\x18_expected_weight_version\">\n\x1bUpdateWeightVersionResponse\x12\x1f\n\x17previous_weight_version\x18\x01 \x01(\t*s\n\nPausePhase\x12\x1b\n\x17PAUSE_PHASE_UNSPECIFIED\x10\x00\x12\x17\n\x13PAUSE_PHASE_RUNNING\x10\x01\x12\x17\n\x13PAUSE_PHASE_PAUSING\x10\x02\x12\x16\n\x12PAUSE_PHASE_PAUSED\x10\x03\x32\x80\x07\n\tLifecycle\x12\x43\n\x08GetState\x12\x1b.rlserve.v1.GetStateRequest\x1a\x1a.rlserve.v1.LifecycleState\x12I\n\nWatchState\x12\x1d.rlserve.v1.WatchStateRequest\x1a\x1a.rlserve.v1.LifecycleState0\x01\x12\x66\n\x13UpdateWeightVersion\x12&.rlserve.v1.UpdateWeightVersionRequest\x1a\'.rlserve.v1.UpdateWeightVersionResponse\x12`\n\x11\x41\x62ortWeightUpdate\x12$.rlserve.v1.AbortWeightUpdateRequest\x1a%.rlserve.v1.AbortWeightUpdateResponse\x12\x66\n\x13PrepareWeightUpdate\x12&.rlserve.v1.PrepareWeightUpdateRequest\x1a\'.rlserve.v1.PrepareWeightUpdateResponse\x12`\n\x11StageWeightUpdate\x12$.rlserve.v1.StageWeightUpdateRequest\x1a%.rlserve.v1.StageWeightUpdateResponse\x12U\n\x11GetWeightChecksum\x12$.rlserve.v1.GetWeightChecksumRequest\x1a\x1a.rlserve.v1.WeightChecksum\x12=\n\x07GetLoad\x12\x1a.rlserve.v1.GetLoadRequest\x1a\x16.rlserve.v1.LoadReport\x12Z\n\x0fStartLoraUpdate\x12\".rlserve.v1.StartLoraUpdateRequest\x1a#.rlserve.v1.StartLoraUpdateResponse\x12]\n\x10\x46inishLoraUpdate\x12#.rlserve.v1.FinishLoraUpdateRequest\x1a$.rlserve.v1.FinishLoraUpdateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WEIGHTCHECKSUM_PERTENSORENTRY']._loaded_options = None
   _globals['_WEIGHTCHECKSUM_PERTENSORENTRY']._serialized_options = b'8\001'
-  _globals['_PAUSEPHASE']._serialized_start=2406
-  _globals['_PAUSEPHASE']._serialized_end=2521
+  _globals['_PAUSEPHASE']._serialized_start=2582
+  _globals['_PAUSEPHASE']._serialized_end=2697
   _globals['_STARTLORAUPDATEREQUEST']._serialized_start=86
   _globals['_STARTLORAUPDATEREQUEST']._serialized_end=196
   _globals['_STARTLORAUPDATERESPONSE']._serialized_start=198
@@ -50,38 +50,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINELOAD']._serialized_end=497
   _globals['_LOADREPORT']._serialized_start=499
   _globals['_LOADREPORT']._serialized_end=613
-  _globals['_PREPAREWEIGHTUPDATEREQUEST']._serialized_start=615
-  _globals['_PREPAREWEIGHTUPDATEREQUEST']._serialized_end=643
-  _globals['_PREPAREWEIGHTUPDATERESPONSE']._serialized_start=645
-  _globals['_PREPAREWEIGHTUPDATERESPONSE']._serialized_end=724
-  _globals['_ABORTWEIGHTUPDATEREQUEST']._serialized_start=726
-  _globals['_ABORTWEIGHTUPDATEREQUEST']._serialized_end=752
-  _globals['_ABORTWEIGHTUPDATERESPONSE']._serialized_start=754
-  _globals['_ABORTWEIGHTUPDATERESPONSE']._serialized_end=781
-  _globals['_GETWEIGHTCHECKSUMREQUEST']._serialized_start=783
-  _globals['_GETWEIGHTCHECKSUMREQUEST']._serialized_end=809
-  _globals['_WEIGHTCHECKSUM']._serialized_start=812
-  _globals['_WEIGHTCHECKSUM']._serialized_end=1007
-  _globals['_WEIGHTCHECKSUM_PERTENSORENTRY']._serialized_start=959
-  _globals['_WEIGHTCHECKSUM_PERTENSORENTRY']._serialized_end=1007
-  _globals['_WEIGHTUPDATESESSION']._serialized_start=1010
-  _globals['_WEIGHTUPDATESESSION']._serialized_end=1190
-  _globals['_GETSTATEREQUEST']._serialized_start=1192
-  _globals['_GETSTATEREQUEST']._serialized_end=1209
-  _globals['_WATCHSTATEREQUEST']._serialized_start=1211
-  _globals['_WATCHSTATEREQUEST']._serialized_end=1230
-  _globals['_ENGINESTATE']._serialized_start=1232
-  _globals['_ENGINESTATE']._serialized_end=1313
-  _globals['_FRONTEND']._serialized_start=1315
-  _globals['_FRONTEND']._serialized_end=1424
-  _globals['_AUDITENTRY']._serialized_start=1426
-  _globals['_AUDITENTRY']._serialized_end=1545
-  _globals['_LIFECYCLESTATE']._serialized_start=1548
-  _globals['_LIFECYCLESTATE']._serialized_end=2220
-  _globals['_UPDATEWEIGHTVERSIONREQUEST']._serialized_start=2222
-  _globals['_UPDATEWEIGHTVERSIONREQUEST']._serialized_end=2340
-  _globals['_UPDATEWEIGHTVERSIONRESPONSE']._serialized_start=2342
-  _globals['_UPDATEWEIGHTVERSIONRESPONSE']._serialized_end=2404
-  _globals['_LIFECYCLE']._serialized_start=2524
-  _globals['_LIFECYCLE']._serialized_end=3322
+  _globals['_STAGEWEIGHTUPDATEREQUEST']._serialized_start=615
+  _globals['_STAGEWEIGHTUPDATEREQUEST']._serialized_end=641
+  _globals['_STAGEWEIGHTUPDATERESPONSE']._serialized_start=643
+  _globals['_STAGEWEIGHTUPDATERESPONSE']._serialized_end=720
+  _globals['_PREPAREWEIGHTUPDATEREQUEST']._serialized_start=722
+  _globals['_PREPAREWEIGHTUPDATEREQUEST']._serialized_end=750
+  _globals['_PREPAREWEIGHTUPDATERESPONSE']._serialized_start=752
+  _globals['_PREPAREWEIGHTUPDATERESPONSE']._serialized_end=831
+  _globals['_ABORTWEIGHTUPDATEREQUEST']._serialized_start=833
+  _globals['_ABORTWEIGHTUPDATEREQUEST']._serialized_end=859
+  _globals['_ABORTWEIGHTUPDATERESPONSE']._serialized_start=861
+  _globals['_ABORTWEIGHTUPDATERESPONSE']._serialized_end=888
+  _globals['_GETWEIGHTCHECKSUMREQUEST']._serialized_start=890
+  _globals['_GETWEIGHTCHECKSUMREQUEST']._serialized_end=916
+  _globals['_WEIGHTCHECKSUM']._serialized_start=919
+  _globals['_WEIGHTCHECKSUM']._serialized_end=1114
+  _globals['_WEIGHTCHECKSUM_PERTENSORENTRY']._serialized_start=1066
+  _globals['_WEIGHTCHECKSUM_PERTENSORENTRY']._serialized_end=1114
+  _globals['_WEIGHTUPDATESESSION']._serialized_start=1117
+  _globals['_WEIGHTUPDATESESSION']._serialized_end=1335
+  _globals['_GETSTATEREQUEST']._serialized_start=1337
+  _globals['_GETSTATEREQUEST']._serialized_end=1354
+  _globals['_WATCHSTATEREQUEST']._serialized_start=1356
+  _globals['_WATCHSTATEREQUEST']._serialized_end=1375
+  _globals['_ENGINESTATE']._serialized_start=1377
+  _globals['_ENGINESTATE']._serialized_end=1458
+  _globals['_FRONTEND']._serialized_start=1460
+  _globals['_FRONTEND']._serialized_end=1569
+  _globals['_AUDITENTRY']._serialized_start=1571
+  _globals['_AUDITENTRY']._serialized_end=1690
+  _globals['_LIFECYCLESTATE']._serialized_start=1693
+  _globals['_LIFECYCLESTATE']._serialized_end=2396
+  _globals['_UPDATEWEIGHTVERSIONREQUEST']._serialized_start=2398
+  _globals['_UPDATEWEIGHTVERSIONREQUEST']._serialized_end=2516
+  _globals['_UPDATEWEIGHTVERSIONRESPONSE']._serialized_start=2518
+  _globals['_UPDATEWEIGHTVERSIONRESPONSE']._serialized_end=2580
+  _globals['_LIFECYCLE']._serialized_start=2700
+  _globals['_LIFECYCLE']._serialized_end=3596
 # @@protoc_insertion_point(module_scope)

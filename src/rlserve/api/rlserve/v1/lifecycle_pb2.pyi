@@ -75,6 +75,16 @@ class LoadReport(_message.Message):
     num_outstanding_requests: int
     def __init__(self, engines: _Optional[_Iterable[_Union[EngineLoad, _Mapping]]] = ..., num_held_requests: _Optional[int] = ..., num_outstanding_requests: _Optional[int] = ...) -> None: ...
 
+class StageWeightUpdateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageWeightUpdateResponse(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: WeightUpdateSession
+    def __init__(self, session: _Optional[_Union[WeightUpdateSession, _Mapping]] = ...) -> None: ...
+
 class PrepareWeightUpdateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -117,7 +127,7 @@ class WeightChecksum(_message.Message):
     def __init__(self, algorithm: _Optional[str] = ..., overall: _Optional[str] = ..., per_tensor: _Optional[_Mapping[str, str]] = ..., inconsistent_tensors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WeightUpdateSession(_message.Message):
-    __slots__ = ("session_id", "is_draft", "num_chunks", "num_tensors", "num_bytes", "started_unix_s", "lora_name", "prepared")
+    __slots__ = ("session_id", "is_draft", "num_chunks", "num_tensors", "num_bytes", "started_unix_s", "lora_name", "prepared", "staged", "shadow_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     IS_DRAFT_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +136,8 @@ class WeightUpdateSession(_message.Message):
     STARTED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     PREPARED_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     is_draft: bool
     num_chunks: int
@@ -134,7 +146,9 @@ class WeightUpdateSession(_message.Message):
     started_unix_s: float
     lora_name: str
     prepared: bool
-    def __init__(self, session_id: _Optional[str] = ..., is_draft: _Optional[bool] = ..., num_chunks: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., started_unix_s: _Optional[float] = ..., lora_name: _Optional[str] = ..., prepared: _Optional[bool] = ...) -> None: ...
+    staged: bool
+    shadow_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., is_draft: _Optional[bool] = ..., num_chunks: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., started_unix_s: _Optional[float] = ..., lora_name: _Optional[str] = ..., prepared: _Optional[bool] = ..., staged: _Optional[bool] = ..., shadow_bytes: _Optional[int] = ...) -> None: ...
 
 class GetStateRequest(_message.Message):
     __slots__ = ()
@@ -185,7 +199,7 @@ class AuditEntry(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., operation: _Optional[str] = ..., detail: _Optional[str] = ..., outcome: _Optional[str] = ..., unix_time_s: _Optional[float] = ..., caller: _Optional[str] = ...) -> None: ...
 
 class LifecycleState(_message.Message):
-    __slots__ = ("revision", "pause_phase", "pause_mode", "asleep", "sleep_level", "weights_consistent", "inconsistency_reason", "weight_version", "num_held_requests", "engines", "capabilities", "recent_mutations", "transport_ready", "update_session", "transport_initializing", "insecure_control", "weight_dtype", "stages_updates", "frontends", "num_frontends")
+    __slots__ = ("revision", "pause_phase", "pause_mode", "asleep", "sleep_level", "weights_consistent", "inconsistency_reason", "weight_version", "num_held_requests", "engines", "capabilities", "recent_mutations", "transport_ready", "update_session", "transport_initializing", "insecure_control", "weight_dtype", "stages_updates", "frontends", "num_frontends", "staged_weight_updates")
     REVISION_FIELD_NUMBER: _ClassVar[int]
     PAUSE_PHASE_FIELD_NUMBER: _ClassVar[int]
     PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +220,7 @@ class LifecycleState(_message.Message):
     STAGES_UPDATES_FIELD_NUMBER: _ClassVar[int]
     FRONTENDS_FIELD_NUMBER: _ClassVar[int]
     NUM_FRONTENDS_FIELD_NUMBER: _ClassVar[int]
+    STAGED_WEIGHT_UPDATES_FIELD_NUMBER: _ClassVar[int]
     revision: int
     pause_phase: PausePhase
     pause_mode: _control_pb2.PauseMode
@@ -226,7 +241,8 @@ class LifecycleState(_message.Message):
     stages_updates: bool
     frontends: _containers.RepeatedCompositeFieldContainer[Frontend]
     num_frontends: int
-    def __init__(self, revision: _Optional[int] = ..., pause_phase: _Optional[_Union[PausePhase, str]] = ..., pause_mode: _Optional[_Union[_control_pb2.PauseMode, str]] = ..., asleep: _Optional[_Iterable[str]] = ..., sleep_level: _Optional[int] = ..., weights_consistent: _Optional[bool] = ..., inconsistency_reason: _Optional[str] = ..., weight_version: _Optional[str] = ..., num_held_requests: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., capabilities: _Optional[_Union[_control_pb2.RlCapabilities, _Mapping]] = ..., recent_mutations: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ..., transport_ready: _Optional[bool] = ..., update_session: _Optional[_Union[WeightUpdateSession, _Mapping]] = ..., transport_initializing: _Optional[bool] = ..., insecure_control: _Optional[bool] = ..., weight_dtype: _Optional[str] = ..., stages_updates: _Optional[bool] = ..., frontends: _Optional[_Iterable[_Union[Frontend, _Mapping]]] = ..., num_frontends: _Optional[int] = ...) -> None: ...
+    staged_weight_updates: bool
+    def __init__(self, revision: _Optional[int] = ..., pause_phase: _Optional[_Union[PausePhase, str]] = ..., pause_mode: _Optional[_Union[_control_pb2.PauseMode, str]] = ..., asleep: _Optional[_Iterable[str]] = ..., sleep_level: _Optional[int] = ..., weights_consistent: _Optional[bool] = ..., inconsistency_reason: _Optional[str] = ..., weight_version: _Optional[str] = ..., num_held_requests: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., capabilities: _Optional[_Union[_control_pb2.RlCapabilities, _Mapping]] = ..., recent_mutations: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ..., transport_ready: _Optional[bool] = ..., update_session: _Optional[_Union[WeightUpdateSession, _Mapping]] = ..., transport_initializing: _Optional[bool] = ..., insecure_control: _Optional[bool] = ..., weight_dtype: _Optional[str] = ..., stages_updates: _Optional[bool] = ..., frontends: _Optional[_Iterable[_Union[Frontend, _Mapping]]] = ..., num_frontends: _Optional[int] = ..., staged_weight_updates: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightVersionRequest(_message.Message):
     __slots__ = ("weight_version", "expected_weight_version")

@@ -59,6 +59,11 @@ class LifecycleStub:
                 request_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.PrepareWeightUpdateRequest.SerializeToString,
                 response_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.PrepareWeightUpdateResponse.FromString,
                 _registered_method=True)
+        self.StageWeightUpdate = channel.unary_unary(
+                '/rlserve.v1.Lifecycle/StageWeightUpdate',
+                request_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.StageWeightUpdateRequest.SerializeToString,
+                response_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.StageWeightUpdateResponse.FromString,
+                _registered_method=True)
         self.GetWeightChecksum = channel.unary_unary(
                 '/rlserve.v1.Lifecycle/GetWeightChecksum',
                 request_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.GetWeightChecksumRequest.SerializeToString,
@@ -138,6 +143,26 @@ class LifecycleServicer:
         fails, and the session is then dropped: with rlserve_gloo or rlserve_shm the served
         weights and version stay as they were (an in-place update leaves them inconsistent).
         Idempotent while the session is open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StageWeightUpdate(self, request, context):
+        """Open a staged weight-update session: StartWeightUpdate without the pause. Every chunk
+        (vllm.Control/UpdateWeights) is received, verified and processed beside the served
+        weights, and PrepareWeightUpdate runs, while generation goes on with the old weights and
+        the old version; only FinishWeightUpdate needs generation paused (PauseGeneration in any
+        mode, after the chunks), so that the pause lasts for the swap alone. AbortWeightUpdate, a
+        failure or the session lease drop the session: the served weights never changed, and
+        generation was never paused by it. While it is open: ResumeGeneration is allowed (the
+        session stays, its commit waits for the next pause), Sleep, InitWeightTransferEngine,
+        StartLoraUpdate and a second session are refused (docs/control-plane.md has the table).
+        GetState shows the session (staged, the bytes its shadows hold) and, in
+        `staged_weight_updates`, whether the server offers it.
+        Status: FAILED_PRECONDITION without weight transfer, for an in-place backend
+        (--weight-update-mode in-place, vLLM's backends), without a ready transport, or with the
+        weights asleep; ABORTED while another session or an init is open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -225,6 +250,11 @@ def add_LifecycleServicer_to_server(servicer, server):
                     servicer.PrepareWeightUpdate,
                     request_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.PrepareWeightUpdateRequest.FromString,
                     response_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.PrepareWeightUpdateResponse.SerializeToString,
+            ),
+            'StageWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageWeightUpdate,
+                    request_deserializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.StageWeightUpdateRequest.FromString,
+                    response_serializer=rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.StageWeightUpdateResponse.SerializeToString,
             ),
             'GetWeightChecksum': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWeightChecksum,
@@ -382,6 +412,33 @@ class Lifecycle:
             '/rlserve.v1.Lifecycle/PrepareWeightUpdate',
             rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.PrepareWeightUpdateRequest.SerializeToString,
             rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.PrepareWeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlserve.v1.Lifecycle/StageWeightUpdate',
+            rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.StageWeightUpdateRequest.SerializeToString,
+            rlserve_dot_api_dot_rlserve_dot_v1_dot_lifecycle__pb2.StageWeightUpdateResponse.FromString,
             options,
             channel_credentials,
             insecure,
