@@ -161,7 +161,7 @@ def sdk_seconds(
     per_tensor: bool,
     server_pid: int,
     *,
-    staged: bool = True,
+    staged: bool | None = None,
     load: bool = False,
 ) -> dict[str, object]:
     with Client(target) as client:
@@ -178,7 +178,7 @@ def sdk_seconds(
                     t0 = time.perf_counter()
                     runs.append(sync.sync(weights, f"v{i}", staged=staged))
                     windows.append((t0, t0 + runs[-1].stage_s))
-            staging = gen.tokens_per_s_in(windows) if gen and staged else None
+            staging = gen.tokens_per_s_in(windows) if gen and runs[0].staged else None
         sync.close()
     out: dict[str, object] = {
         **medians(runs),
