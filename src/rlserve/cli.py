@@ -15,6 +15,7 @@ from typing import Any
 from rlserve.config import (
     AUTH_TOKENS_ENV,
     DTYPES,
+    LOGPROBS_MODES,
     WEIGHT_UPDATE_MODES,
     EngineConfig,
     SecurityConfig,
@@ -160,6 +161,13 @@ SERVE_FLAGS = (
     ),
     Flag("--enable-sleep-mode", "engine.enable_sleep_mode", is_switch=True),
     Flag("--scheduling-policy", "engine.scheduling_policy", choices=SCHEDULING_POLICIES),
+    Flag(
+        "--logprobs-mode",
+        "engine.logprobs_mode",
+        "what output logprobs are: raw_logprobs (the model's, before temperature and the other sampling "
+        "parameters) or processed_logprobs (those the token was sampled from), or their logits",
+        choices=LOGPROBS_MODES,
+    ),
     Flag("--kv-cache-gib", "engine.kv_cache_gib", "KV cache size (CPU default: 1 GiB)", type=float),
     # Where the default model is converted to (no field: `--model`'s default is made of it).
     Flag("--cache-dir", "", "converted models live here", type=Path, default_factory=default_cache_dir),

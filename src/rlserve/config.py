@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's logprobs_mode: what a sampled token's logprob is. "raw_*" come from the model's
+# logits before any sampling parameter; "processed_*" after temperature, penalties and
+# top-k/top-p/min-p, i.e. the distribution the token was sampled from (what importance
+# sampling against the trainer needs whenever temperature != 1).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # How rlserve's backends commit: beside the served model (shadows) or layer by layer into it.
 WEIGHT_UPDATE_MODES = ("shadow", "in-place")
 # `rlserve serve` reads its bearer tokens from here (a secret: never on a command line).
@@ -48,6 +53,8 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
+    # What output logprobs are (LOGPROBS_MODES), as vLLM's --logprobs-mode.
+    logprobs_mode: str = "raw_logprobs"
     # `model` is where the default model is converted to; the server converts it if needed.
     is_default_model: bool = False
     extra_engine_args: dict[str, object] = field(default_factory=dict)
@@ -71,6 +78,8 @@ class EngineConfig:
             raise ValueError("hang_timeout_s must be positive")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be positive")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode: {self.logprobs_mode!r} is not one of {LOGPROBS_MODES}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
 

@@ -71,6 +71,7 @@ def engine_args(config: EngineConfig) -> AsyncEngineArgs:
         "seed": config.seed,
         "worker_extension_cls": WORKER_EXTENSION,
         "disable_log_stats": not config.log_stats,
+        "logprobs_mode": config.logprobs_mode,
         **config.extra_engine_args,
     }
     kv_gib = config.kv_cache_gib
@@ -370,6 +371,11 @@ class EngineAdapter:
 
     def server_info(self) -> ServerInfo:
         return describe.server_info(self._llm.vllm_config, self.instance_id, self.capabilities())
+
+    @property
+    def logprobs_mode(self) -> str:
+        """What output logprobs are, as the engine runs (vLLM's logprobs_mode)."""
+        return str(self._llm.vllm_config.model_config.logprobs_mode)
 
     @property
     def weight_dtype(self) -> str:

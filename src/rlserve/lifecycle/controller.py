@@ -396,6 +396,7 @@ class LifecycleController:
             capabilities=self._engine.capabilities(),
             recent_mutations=self._owner.audit_log(),
             weight_dtype=self._engine.weight_dtype,
+            logprobs_mode=self._engine.logprobs_mode,
             stages_updates=stages,
             staged_weight_updates=stages,
             frontends=self.frontends(),

@@ -74,6 +74,9 @@ class ControlledEngine(Protocol):
     @property
     def weight_dtype(self) -> str: ...
 
+    @property
+    def logprobs_mode(self) -> str: ...
+
     # LoRA adapters
     @property
     def lora_enabled(self) -> bool: ...
