@@ -1,4 +1,5 @@
-"""Control-plane latency on an idle engine: rlserve against vLLM's own frontends.
+"""Control-plane latency on an idle engine (or, for rlserve with --load-streams, under a
+generation load): rlserve against vLLM's own frontends.
 
 For each system in turn (one engine at a time: start, measure, stop), one client in this process
 makes sequential calls, warms up, then times each call:
@@ -23,12 +24,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import psutil
@@ -140,7 +142,40 @@ async def grpc_system(cmd: list[str], port: int, log_path: Path, args: argparse.
         async def floor() -> None:
             await health.Check(health_pb2.HealthCheckRequest(service=""))
 
-        return await with_foreign_cpu(proc.pid, measure(is_paused, pause, resume, floor, args))
+        async with generation_load(port, args.load_streams):
+            return await with_foreign_cpu(proc.pid, measure(is_paused, pause, resume, floor, args))
+
+
+@contextlib.asynccontextmanager
+async def generation_load(port: int, streams: int) -> AsyncIterator[None]:
+    """`streams` clients generating all along (on a channel of their own); a request the
+    pause aborts is followed by the next one. Nothing when `streams` is 0."""
+    import grpc
+
+    from rlserve.api.vllm import inference_pb2_grpc
+    from rlserve.sdk.client import generate_request
+
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    inference = inference_pb2_grpc.InferenceStub(channel)
+
+    async def stream(i: int) -> None:
+        n = 0
+        while True:
+            request = generate_request(f"Story {i}-{n}:", max_new_tokens=64, temperature=0.0, ignore_eos=True)
+            with contextlib.suppress(grpc.RpcError):
+                async for _ in inference.GenerateStream(request):
+                    pass
+            n += 1
+
+    tasks = [asyncio.ensure_future(stream(i)) for i in range(streams)]
+    try:
+        await asyncio.sleep(1.0 if streams else 0)
+        yield
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await channel.close()
 
 
 async def http_system(cmd: list[str], port: int, log_path: Path, args: argparse.Namespace) -> dict:
@@ -309,6 +344,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--work-dir",
         default=str(Path(tempfile.gettempdir()) / "rlserve-bench"),
         help="models, logs, the vllm-rs binary and the vllm shim venv go here",
+    )
+    p.add_argument(
+        "--load-streams",
+        type=int,
+        default=0,
+        help="rlserve only: this many streams generate throughout the measurement (the pause aborts them)",
     )
     p.add_argument("--engine-client-child", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
