@@ -321,9 +321,9 @@ class LifecycleController:
                 check_sleep_request(level, mode)
                 st = self._owner.state
                 if st.update_session is not None:
-                    # Refused: the session's lease stays armed.
+                    # Refused before the lease is touched: the session's lease stays armed.
                     raise WrongState("a weight update is open; finish or abort it before Sleep")
-                self._lease.disarm()
+                self._rearm_lease()
                 if self._drain is not None:
                     raise PauseDraining("a WAIT pause is draining; Sleep once PauseGeneration returns")
                 if st.is_sleeping and level <= st.sleep_level:
@@ -389,7 +389,6 @@ class LifecycleController:
     # Observation ------------------------------------------------------------------------
 
     async def snapshot(self) -> LifecycleSnapshot:
-        stages = self._engine.transport is not None and self._engine.transport.stages_updates
         return LifecycleSnapshot(
             state=self._owner.state,
             engines=tuple(await self._engine.engine_statuses()),
@@ -397,8 +396,7 @@ class LifecycleController:
             recent_mutations=self._owner.audit_log(),
             weight_dtype=self._engine.weight_dtype,
             logprobs_mode=self._engine.logprobs_mode,
-            stages_updates=stages,
-            staged_weight_updates=stages,
+            stages_updates=self._engine.transport is not None and self._engine.transport.stages_updates,
             frontends=self.frontends(),
             num_frontends=self._num_frontends,
         )

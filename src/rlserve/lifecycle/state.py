@@ -141,8 +141,6 @@ class LifecycleSnapshot:
     # Updates are built beside the served weights: an abort or failure leaves them intact.
     stages_updates: bool = False
     frontends: tuple[FrontendStatus, ...] = ()
-    # StageWeightUpdate is offered (a staging backend).
-    staged_weight_updates: bool = False
     num_frontends: int = 1  # configured (--frontends); `frontends` lists those serving
 
 
@@ -196,22 +194,18 @@ def check_can_open_session(state: LifecycleState) -> None:
         raise TransportNotReady("no weight transport; call InitWeightTransferEngine first")
 
 
-def check_can_start_update(state: LifecycleState) -> None:
+def check_can_start_update(state: LifecycleState, staged: bool = False) -> None:
+    """A session StartWeightUpdate opens needs the pause; a staged one does not (its commit
+    does, `check_can_commit`)."""
     check_can_open_session(state)
-    if state.pause_phase is not PausePhase.PAUSED:
+    call = "StageWeightUpdate" if staged else "StartWeightUpdate"
+    if not staged and state.pause_phase is not PausePhase.PAUSED:
         raise NotPaused(
-            f"pause generation before StartWeightUpdate (state: {state.pause_phase.name}); "
+            f"pause generation before {call} (state: {state.pause_phase.name}); "
             "PauseGeneration returns once the pause is complete"
         )
     if SleepTag.WEIGHTS in state.asleep:
-        raise MemoryAsleep("the weights are asleep; WakeUp with tags=[weights] before StartWeightUpdate")
-
-
-def check_can_stage_update(state: LifecycleState) -> None:
-    """A staged session needs no pause (its commit does)."""
-    check_can_open_session(state)
-    if SleepTag.WEIGHTS in state.asleep:
-        raise MemoryAsleep("the weights are asleep; WakeUp with tags=[weights] before StageWeightUpdate")
+        raise MemoryAsleep(f"the weights are asleep; WakeUp with tags=[weights] before {call}")
 
 
 def check_can_commit(state: LifecycleState, session: UpdateSession) -> None:

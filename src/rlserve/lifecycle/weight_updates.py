@@ -23,7 +23,6 @@ from rlserve.lifecycle.state import (
     UpdateSession,
     check_can_commit,
     check_can_init_transport,
-    check_can_stage_update,
     check_can_start_update,
     check_weight_version,
     require_session,
@@ -98,10 +97,7 @@ class WeightUpdates:
                         f"{transport.backend} writes updates into the served weights (in place): it cannot stage "
                         "one while generating; pause generation and StartWeightUpdate"
                     )
-                if staged:
-                    check_can_stage_update(self._owner.state)
-                else:
-                    check_can_start_update(self._owner.state)
+                check_can_start_update(self._owner.state, staged)
                 await transport.start(is_draft, self._timeout_s)
                 session = UpdateSession(uuid.uuid4().hex, is_draft, time.time(), staged=staged)
                 if transport.stages_updates:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,8 +146,7 @@ class SyncProtocol:
     def _up_to_the_vote(self, sync: SyncRequest, members: list[Member]) -> tuple[float, float]:
         """Pause, start, chunks, prepare and the vote; any failure abandons the sync (Abandoned).
         Returns the seconds of the transfer and of the prepare."""
-        pause = cpb.PauseGenerationRequest(mode=PAUSE_MODES[sync.pause_mode])
-        replies = each(members, lambda m: m.client.control.PauseGeneration.future(pause, timeout=self._pause_timeout_s))
+        replies = self._pause(sync, members)
         paused = [m for m in members if not isinstance(replies[m.name], BaseException)]
         ours = [m for m in paused if m.name not in sync.found_paused]
         with self._abandoning(members, ours):
@@ -167,12 +166,16 @@ class SyncProtocol:
     def _pause_after_the_vote(self, sync: SyncRequest, members: list[Member]) -> None:
         """Every member voted yes: pause them all for the commit; one that cannot be paused
         abandons the sync (the others resume on their old weights)."""
-        pause = cpb.PauseGenerationRequest(mode=PAUSE_MODES[sync.pause_mode])
-        replies = each(members, lambda m: m.client.control.PauseGeneration.future(pause, timeout=self._pause_timeout_s))
+        replies = self._pause(sync, members)
         failed = {n: Outcome.of(r) for n, r in replies.items() if isinstance(r, BaseException)}
         if failed:
             ours = [m for m in members if m.name not in failed and m.name not in sync.found_paused]
             raise self.abandon(members, ours, Failed("pause", failed))
+
+    def _pause(self, sync: SyncRequest, members: list[Member]) -> dict[str, Any]:
+        """PauseGeneration on every member at once: per member its reply or its error."""
+        pause = cpb.PauseGenerationRequest(mode=PAUSE_MODES[sync.pause_mode])
+        return each(members, lambda m: m.client.control.PauseGeneration.future(pause, timeout=self._pause_timeout_s))
 
     def _send_and_vote(self, sync: SyncRequest, members: list[Member]) -> tuple[float, float]:
         num_bytes = sum(c.num_bytes for c in sync.chunks)
@@ -276,6 +279,14 @@ class SyncProtocol:
             return getattr(stub, method).future(request, timeout=timeout)
 
         return call
+
+
+def staging(offered: bool, asked: bool | None, refuse: Callable[[], Exception]) -> bool:
+    """Whether a sync stages: as `asked`, or where every member `offered` it (None); asked
+    where it is not offered, `refuse()` is raised."""
+    if asked and not offered:
+        raise refuse()
+    return offered if asked is None else asked
 
 
 def check_votes(prepared: Mapping[str, Any], num_chunks: int, num_tensors: int) -> None:

@@ -30,7 +30,7 @@ from rlserve.sdk.client import Client
 from rlserve.sdk.fanout import Failed, Member, Outcome, step_timeout_s
 from rlserve.sdk.group import RendezvousFailed, TransferGroup
 from rlserve.sdk.plan import DEFAULT_CHUNK_BYTES, NamedTensors, check_sizes, plan_patch, plan_sync
-from rlserve.sdk.protocol import Abandoned, SyncProtocol, SyncReport, SyncRequest
+from rlserve.sdk.protocol import Abandoned, SyncProtocol, SyncReport, SyncRequest, staging
 from rlserve.sdk.senders import SENDERS, NoBar
 from rlserve.types import PauseMode
 from rlserve.wire import patch as _patch
@@ -171,7 +171,7 @@ class WeightSync:
         smaller, or the server no longer serves what was last sent, the whole tensors go."""
         mode = PauseMode(pause_mode)
         tensors, chunks, dense, state = self._begin(weights, patch)
-        staged = _staging(state, staged)
+        staged = staging(state.staged_weight_updates, staged, _cannot_stage)
         # Someone else's pause (an operator draining the server) is theirs to end.
         resume = state.pause_phase == lifecycle_pb2.PAUSE_PHASE_RUNNING
         name = self._member.name
@@ -326,15 +326,12 @@ class WeightSync:
         return WeightSyncError(f"weight sync failed: {reason}", resumed_on_old_weights=False, code=cause.code)
 
 
-def _staging(state: Any, asked: bool | None) -> bool:
-    """Whether to stage: as asked, or where the server offers it (None)."""
-    if asked and not state.staged_weight_updates:
-        raise WeightSyncError(
-            "the server cannot stage an update while it generates (an in-place backend); sync with staged=False",
-            resumed_on_old_weights=True,
-            code=grpc.StatusCode.FAILED_PRECONDITION,
-        )
-    return bool(state.staged_weight_updates) if asked is None else asked
+def _cannot_stage() -> WeightSyncError:
+    return WeightSyncError(
+        "the server cannot stage an update while it generates (an in-place backend); sync with staged=False",
+        resumed_on_old_weights=True,
+        code=grpc.StatusCode.FAILED_PRECONDITION,
+    )
 
 
 def _cause(error: BaseException) -> Outcome:

@@ -114,7 +114,8 @@ def lifecycle_snapshot(snap: LifecycleSnapshot) -> lifecycle_pb2.LifecycleState:
     msg.weight_dtype = snap.weight_dtype
     msg.logprobs_mode = snap.logprobs_mode
     msg.stages_updates = snap.stages_updates
-    msg.staged_weight_updates = snap.staged_weight_updates
+    # A backend that stages updates stages them while generating too (StageWeightUpdate).
+    msg.staged_weight_updates = snap.stages_updates
     msg.num_frontends = snap.num_frontends
     for f in snap.frontends:
         msg.frontends.add(

@@ -55,6 +55,8 @@ class ShadowUpdate:
         self._ready: dict[str, torch.nn.Module] = {}
         # Something went live: the served digests are stale from `close()` on.
         self._installed = False
+        # Per layer loaded: the bytes its shadows hold beside the served model.
+        self._held: dict[str, int] = {}
 
     def served_value(self, name: str) -> torch.Tensor:
         """A checkpoint tensor as the model serves it now (what a patch applies to)."""
@@ -67,9 +69,12 @@ class ShadowUpdate:
             return
         vllm_compat.load_checkpoint_weights(self._root, tensors)
         self._arrived.update(tensors)
-        for layer in sorted({self._served.layer_of(name) for name in tensors}):
+        touched = sorted({self._served.layer_of(name) for name in tensors})
+        for layer in touched:
             if self._served.members(layer) <= self._arrived:
                 self._process(layer)
+        for layer in touched:
+            self._held[layer] = self._layer_bytes(layer)
 
     def prepare(self) -> int:
         """Complete partly sent layers from the served weights and process them, so that
@@ -87,14 +92,9 @@ class ShadowUpdate:
         return count
 
     def held_bytes(self) -> int:
-        """The bytes of the tensors the shadows hold now beside the served model: distinct
-        storages the served modules do not share, written ones only (a shadow tensor stays on
-        the meta device until loaded)."""
-        layers = {self._served.layer_of(name) for name in self._arrived}
-        shadows = [self._shadow[layer] for layer in layers if layer in self._shadow] + list(self._ready.values())
-        served = {s.data_ptr() for layer in layers if layer in self._live for s in _storages(self._live[layer])}
-        held = {s.data_ptr(): s.nbytes() for shadow in shadows for s in _storages(shadow) if s.data_ptr() not in served}
-        return sum(held.values())
+        """The bytes of the tensors the shadows hold now beside the served model, as of the
+        last load (each load counts the layers it touched)."""
+        return sum(self._held.values())
 
     @property
     def went_live(self) -> bool:
@@ -109,6 +109,7 @@ class ShadowUpdate:
             shadow.__dict__.clear()
         self._shadow.clear()
         self._ready.clear()
+        self._held.clear()
         if self._installed:
             self._served.invalidate()  # also what was digested while an install was under way
 
@@ -136,6 +137,14 @@ class ShadowUpdate:
             # Live now: the shadow's tensors are not needed (no later tensor loads into it).
             for name in TENSOR_TABLES:
                 set_table(shadow, name, {})
+
+    def _layer_bytes(self, layer: str) -> int:
+        """What one layer's shadows (its own and its aliases') hold: distinct written storages
+        the served layer does not share (a shadow tensor stays on the meta device until loaded)."""
+        aliases = [self._ready[a] for a, _, _ in self._served.aliases_of(layer) if a in self._ready]
+        served = {s.data_ptr() for s in _storages(self._live[layer])}
+        held = {s.data_ptr(): s.nbytes() for m in (self._shadow[layer], *aliases) for s in _storages(m)}
+        return sum(n for ptr, n in held.items() if ptr not in served)
 
     def _install(self, layers: list[str]) -> None:
         copied: set[int] = set()

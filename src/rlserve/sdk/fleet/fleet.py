@@ -27,7 +27,7 @@ from rlserve.sdk.fleet.members import (
 from rlserve.sdk.fleet.routing import FleetRouter
 from rlserve.sdk.group import RendezvousFailed, TransferGroup
 from rlserve.sdk.plan import DEFAULT_CHUNK_BYTES, NamedTensors, check_sizes, plan_sync
-from rlserve.sdk.protocol import Abandoned, SyncProtocol, SyncReport, SyncRequest
+from rlserve.sdk.protocol import Abandoned, SyncProtocol, SyncReport, SyncRequest, staging
 from rlserve.sdk.senders import SENDERS
 from rlserve.types import PauseMode
 from rlserve.wire.protocol import DEFAULT_BUCKET_BYTES, combined_checksum
@@ -205,7 +205,8 @@ class Fleet:
             self.init(require_same_weights=False, span=self._group.span_of(chunks))
         init_s = time.perf_counter() - t_init
         self._check_partial(members, set(tensors))
-        staged = _staging(states, staged)
+        offered = all(s.staged_weight_updates for s in states.values())
+        staged = staging(offered, staged, _cannot_stage)
         request = SyncRequest(members, chunks, tensors, version, mode, verify, found_paused=found_paused, staged=staged)
         try:
             report = self._protocol.run(request)
@@ -318,12 +319,8 @@ class Fleet:
         self.close()
 
 
-def _staging(states: dict[str, Any], asked: bool | None) -> bool:
-    """Whether to stage: as asked, or where every server offers it (None)."""
-    every = all(s.staged_weight_updates for s in states.values())
-    if asked and not every:
-        raise ValueError("not every server can stage an update while it generates: sync with staged=False")
-    return every if asked is None else asked
+def _cannot_stage() -> ValueError:
+    return ValueError("not every server can stage an update while it generates: sync with staged=False")
 
 
 def _stats(
