@@ -107,3 +107,79 @@ def test_the_sdk_refuses_tensors_it_cannot_send():
 
     with pytest.raises(ValueError, match="can be sent"):
         plan_sync({"x": torch.zeros(4, dtype=torch.int64)})
+
+
+def _stream(tensors: dict, metadata=None, items=None):
+    from rlserve.sdk.plan import TensorStream
+
+    announced = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in tensors.items()]
+    return TensorStream(announced if metadata is None else metadata, iter(tensors.items()) if items is None else items)
+
+
+def test_a_streamed_payload_sends_what_a_planned_one_does_holding_one_chunk_at_a_time():
+    from rlserve.sdk.plan import plan, plan_sync
+
+    g = torch.Generator().manual_seed(3)
+    tensors = {f"t{i}": torch.randn(64, 16, generator=g) for i in range(6)}  # 4 KiB each
+    taken: list[str] = []
+
+    def lazily():
+        for n, t in tensors.items():
+            taken.append(n)
+            yield n, t
+
+    streamed = plan(_stream(tensors, items=lazily()), torch.bfloat16, chunk_bytes=4096, bucket_bytes=1024)
+    planned_tensors, planned = plan_sync(tensors, torch.bfloat16, chunk_bytes=4096, bucket_bytes=1024)
+    assert [c.num_bytes for c in streamed.layout] == [c.num_bytes for c in planned] == [4096] * 3
+    assert all(t.checksum == "" for c in streamed.layout for t in c.tensors)  # not yet seen
+    assert taken == []
+    for k, (chunk, held) in enumerate(streamed.chunks()):
+        assert chunk == planned[k]  # names, dtypes, shapes and digests as if planned whole
+        assert sorted(held) == [t.name for t in chunk.tensors]  # this chunk's tensors only
+        assert len(taken) == 2 * (k + 1)  # pulled from the stream as the chunk's turn came
+        assert all(torch.equal(held[n], planned_tensors[n]) for n in held)
+    with pytest.raises(RuntimeError, match="once"):
+        next(streamed.chunks())
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda md, it: (md[::-1], it), "yielded 'a' where 'b'"),
+        (lambda md, it: (md, iter(list(it)[:1])), "ended before 'b'"),
+        (lambda md, it: (md[:1], it), "after the 1 tensors announced"),
+        (lambda md, it: ([("a", "float32", [5]), md[1]], it), r"announced as float32 \[5\]"),
+        (lambda md, it: (md, iter([("a", torch.zeros(4, dtype=torch.int64)), ("b", torch.zeros(4))])), "int64"),
+    ],
+)
+def test_a_stream_that_is_not_what_it_announced_is_refused_before_its_chunk(change, match):
+    from rlserve.sdk.plan import plan
+
+    tensors = {"a": torch.zeros(4), "b": torch.ones(4)}
+    md = [(n, "float32", [4]) for n in tensors]
+    metadata, items = change(md, iter(tensors.items()))
+    with pytest.raises(ValueError, match=match):
+        for _ in plan(_stream(tensors, metadata, items), torch.float32, chunk_bytes=16, bucket_bytes=16).chunks():
+            pass
+
+
+@pytest.mark.parametrize(
+    "metadata,match",
+    [
+        ([], "no tensors"),
+        ([("a", "complex64", [4])], "unknown dtype|can be sent"),
+        ([("a", "int64", [4])], "can be sent"),
+        ([("a", "float32", [-1])], "non-negative"),
+        ([("", "float32", [1])], "needs a name"),
+        ([("a", "nonsense", [1])], "unknown dtype"),
+    ],
+)
+def test_an_announcement_that_cannot_be_sent_is_refused_before_anything_is_taken(metadata, match):
+    from rlserve.sdk.plan import TensorStream, plan
+
+    def never():
+        raise AssertionError("nothing may be taken from the stream")
+        yield
+
+    with pytest.raises(ValueError, match=match):
+        plan(TensorStream(metadata, never()), torch.float32)

@@ -16,6 +16,7 @@ import pytest_asyncio
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.sdk.client import Client, generate_request
+from rlserve.sdk.plan import TensorStream
 from rlserve.sdk.weight_sync import WeightSync, WeightSyncError
 from rlserve.wire.protocol import tensor_checksum
 
@@ -257,3 +258,53 @@ async def test_a_staged_sync_the_server_refuses_keeps_the_old_weights_never_paus
     assert e.value.resumed_on_old_weights
     never_paused(states)
     assert await served(s) == digests
+
+
+def _stream(weights: dict, *, broken: str | None = None) -> tuple[TensorStream, list[str]]:
+    """`weights` announced, then yielded one at a time (as TRL does), the names taken so far
+    listed; `broken`: that tensor is yielded with a shape other than announced."""
+    taken: list[str] = []
+
+    def items():
+        for n, t in weights.items():
+            taken.append(n)
+            yield n, (t[:1] if n == broken else t)
+
+    return TensorStream([(n, "float32", list(t.shape)) for n, t in weights.items()], items()), taken
+
+
+@pytest.mark.parametrize("staged", [True, False])
+async def test_a_streamed_sync_serves_what_streamed_and_a_stream_that_breaks_changes_nothing(
+    s, tiny_model_dir, staged
+):
+    """Chunk by chunk from a TensorStream (several chunks): what is served is what streamed.
+    A stream whose last tensor is not the one announced aborts the sync after earlier chunks
+    went: the old weights serve, resumed (never paused, staged)."""
+    weights = perturbed(tiny_model_dir, seed=121 if staged else 122)
+    chunk_bytes = max(t.numel() * 4 for t in weights.values())
+    stream, taken = _stream(weights)
+
+    def sync(stream, version):
+        with Client(s.target) as client:
+            ws = WeightSync(client, timeout_s=TIMEOUT_S, chunk_bytes=chunk_bytes, bucket_bytes=chunk_bytes // 2)
+            try:
+                return ws.sync(stream, version, staged=staged)
+            finally:
+                ws.close()
+
+    stats = await asyncio.to_thread(sync, stream, f"streamed-{staged}")
+    assert stats.num_chunks > 1 and stats.num_tensors == len(weights) == len(taken)
+    assert await served(s) == digests_of(weights)
+
+    again = perturbed(tiny_model_dir, seed=123)
+    broken, taken = _stream(again, broken=list(again)[-1])
+    async with watched(s.lifecycle) as states:
+        with pytest.raises(WeightSyncError, match="announced") as e:
+            await asyncio.to_thread(sync, broken, "never")
+    assert e.value.resumed_on_old_weights and len(taken) == len(again)
+    if staged:
+        never_paused(states)
+    st = await state(s)
+    assert st.pause_phase == RUNNING and st.weight_version == f"streamed-{staged}"
+    assert not st.HasField("update_session")
+    assert await served(s) == digests_of(weights)

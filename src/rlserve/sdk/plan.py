@@ -1,12 +1,16 @@
 """What a trainer sends for one update: its tensors in the served dtype, the patches of those
-that changed, and the chunks they travel in with their digests. Pure planning (torch and
-the wire protocol); `rlserve.sdk.weight_sync` sends it.
+that changed, and the chunks they travel in with their digests, as a `Payload`: all of it at
+once (`Planned`), or chunk by chunk from tensors announced first and then yielded one at a
+time (`Streamed`, from a `TensorStream`: no second copy of the model). Pure planning (torch
+and the wire protocol); `rlserve.sdk.protocol` sends it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -15,7 +19,86 @@ from rlserve.wire.protocol import DEFAULT_BUCKET_BYTES, DTYPE_BYTES, ChunkInfo, 
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024 * 1024
 
-NamedTensors = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+@dataclass(frozen=True)
+class TensorStream:
+    """Tensors announced before any is sent, `(name, dtype, shape)` each (dtypes as vLLM and
+    TRL spell them: "bfloat16"), then yielded by `items` in that order, one at a time (TRL's
+    `update_named_params`, a gather under FSDP): a sync holds one chunk of them at a time."""
+
+    metadata: Sequence[tuple[str, str, Sequence[int]]]
+    items: Iterable[tuple[str, torch.Tensor]]
+
+
+NamedTensors = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | TensorStream
+
+
+class Payload(Protocol):
+    """What one sync sends. `layout`: its chunks as known before anything is sent (every
+    tensor's name, dtype and shape, so sizes and spans; a digest may still be blank);
+    `chunks()`: each chunk with its digests and its tensors, made as it is sent (once)."""
+
+    @property
+    def layout(self) -> Sequence[ChunkInfo]: ...
+
+    def chunks(self) -> Iterator[tuple[ChunkInfo, Mapping[str, torch.Tensor]]]: ...
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A payload made before the sync: every tensor already in the served dtype."""
+
+    layout: Sequence[ChunkInfo]
+    tensors: Mapping[str, torch.Tensor]
+
+    def chunks(self) -> Iterator[tuple[ChunkInfo, Mapping[str, torch.Tensor]]]:
+        for chunk in self.layout:
+            yield chunk, self.tensors
+
+
+class Streamed:
+    """A payload made as it is sent, from a `TensorStream`: each chunk takes its tensors from
+    the stream when its turn comes and lets them go after. A tensor that is not the one
+    announced (name, shape, a dtype that cannot be sent), a stream that ends early or runs
+    on raises ValueError before the chunk that would carry it is sent."""
+
+    def __init__(self, stream: TensorStream, dtype: torch.dtype | None, *, chunk_bytes: int, bucket_bytes: int) -> None:
+        metas = [_announced(entry, dtype) for entry in stream.metadata]
+        if not metas:
+            raise ValueError("no tensors to sync")
+        self.layout: Sequence[ChunkInfo] = _plan_chunks(metas, chunk_bytes, bucket_bytes)
+        self._items: Iterator[tuple[str, torch.Tensor]] | None = iter(stream.items)
+        self._dtype = dtype
+
+    def chunks(self) -> Iterator[tuple[ChunkInfo, Mapping[str, torch.Tensor]]]:
+        items, self._items = self._items, None
+        if items is None:
+            raise RuntimeError("a streamed payload is sent once")
+        for planned in self.layout:
+            tensors: dict[str, torch.Tensor] = {}
+            for meta in planned.tensors:
+                tensors[meta.name] = _take(items, meta, self._dtype)
+            metas = tuple(dataclasses.replace(m, checksum=tensor_checksum(tensors[m.name])) for m in planned.tensors)
+            yield dataclasses.replace(planned, tensors=metas), tensors
+        extra = next(items, None)
+        if extra is not None:
+            raise ValueError(
+                f"the stream yielded {extra[0]!r} after the {sum(len(c.tensors) for c in self.layout)} tensors announced"
+            )
+
+
+def plan(
+    weights: NamedTensors,
+    dtype: torch.dtype | None = None,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Planned | Streamed:
+    """The payload for `weights`: streamed from a `TensorStream`, planned whole otherwise."""
+    if isinstance(weights, TensorStream):
+        return Streamed(weights, dtype, chunk_bytes=chunk_bytes, bucket_bytes=bucket_bytes)
+    tensors, chunks = plan_sync(weights, dtype, chunk_bytes=chunk_bytes, bucket_bytes=bucket_bytes)
+    return Planned(chunks, tensors)
 
 
 def check_sizes(bucket_bytes: int, chunk_bytes: int) -> None:
@@ -74,6 +157,8 @@ def plan_patch(
 
 
 def _named_tensors(weights: NamedTensors, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(weights, TensorStream):
+        raise ValueError("a TensorStream is sent as it streams (plan), not planned whole")
     if isinstance(weights, torch.nn.Module):
         items: Iterable[tuple[str, torch.Tensor]] = weights.named_parameters()
     elif isinstance(weights, Mapping):
@@ -81,10 +166,49 @@ def _named_tensors(weights: NamedTensors, dtype: torch.dtype | None) -> Iterator
     else:
         items = weights
     for name, tensor in items:
-        t = tensor.detach().to("cpu")
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        yield name, t.contiguous()
+        yield name, _served(tensor, dtype)
+
+
+def _served(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """On the CPU, contiguous, a floating tensor in `dtype` (the one the server computes in)."""
+    t = tensor.detach().to("cpu")
+    if dtype is not None and t.is_floating_point():
+        t = t.to(dtype)
+    return t.contiguous()
+
+
+def _announced(entry: tuple[str, str, Sequence[int]], dtype: torch.dtype | None) -> TensorMeta:
+    """The TensorMeta of an announced tensor as it will be sent (its digest still blank)."""
+    name, dtype_name, shape = entry
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"an announced tensor needs a name, got {name!r}")
+    announced = getattr(torch, str(dtype_name).removeprefix("torch."), None)
+    if not isinstance(announced, torch.dtype):
+        raise ValueError(f"{name}: unknown dtype {dtype_name!r}")
+    sent = dtype if dtype is not None and announced.is_floating_point else announced
+    sent_name = str(sent).removeprefix("torch.")
+    if sent_name not in DTYPE_BYTES:
+        raise ValueError(f"{name}: only {sorted(DTYPE_BYTES)} tensors can be sent, got {dtype_name!r}")
+    if any(not isinstance(d, int) or d < 0 for d in shape):
+        raise ValueError(f"{name}: a shape is non-negative integers, got {list(shape)}")
+    return TensorMeta(name, sent_name, tuple(shape), "")
+
+
+def _take(items: Iterator[tuple[str, torch.Tensor]], meta: TensorMeta, dtype: torch.dtype | None) -> torch.Tensor:
+    """The next tensor of a stream, as sent; ValueError unless it is the one announced."""
+    entry = next(items, None)
+    if entry is None:
+        raise ValueError(f"the stream ended before {meta.name!r}, which was announced")
+    name, tensor = entry
+    if name != meta.name:
+        raise ValueError(f"the stream yielded {name!r} where {meta.name!r} was announced")
+    t = _served(tensor, dtype)
+    if tuple(t.shape) != meta.shape or str(t.dtype).removeprefix("torch.") != meta.dtype_name:
+        raise ValueError(
+            f"{name}: announced as {meta.dtype_name} {list(meta.shape)}, yielded as "
+            f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+        )
+    return t
 
 
 def _plan_chunks(

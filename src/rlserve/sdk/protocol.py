@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import torch
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.sdk.fanout import COMMITTED, Failed, Member, Outcome, each, each_outcome, step, step_timeout_s
 from rlserve.sdk.group import TransferGroup
+from rlserve.sdk.plan import Payload
 from rlserve.types import PauseMode
 from rlserve.wire.protocol import ChunkInfo
 
@@ -48,8 +48,7 @@ class SyncRequest:
     """One sync: what to send to whom, and how."""
 
     members: Sequence[Member]
-    chunks: Sequence[ChunkInfo]
-    tensors: Mapping[str, torch.Tensor]
+    payload: Payload
     version: str
     pause_mode: PauseMode = PauseMode.KEEP
     verify: bool = True
@@ -74,8 +73,9 @@ class SyncReport:
     served: dict[str, Any]
     # Per member the sync resumed: how the resume went.
     resumed: dict[str, Outcome]
-    # The digests of what was sent, by tensor name.
+    # The digests of what was sent, by tensor name, and the chunks it went in.
     sent: dict[str, str]
+    chunks: list[ChunkInfo]
     transfer_s: float
     prepare_s: float
     commit_s: float
@@ -124,13 +124,13 @@ class SyncProtocol:
         members = list(sync.members)
         t_begin = time.perf_counter()
         if sync.staged:
-            transfer_s, prepare_s = self._staged_up_to_the_vote(sync, members)
+            sent, transfer_s, prepare_s = self._staged_up_to_the_vote(sync, members)
             stage_s, t_pause = time.perf_counter() - t_begin, time.perf_counter()
             self._pause_after_the_vote(sync, members)
         else:
             stage_s, t_pause = 0.0, t_begin
-            transfer_s, prepare_s = self._up_to_the_vote(sync, members)
-        report = self._commit(sync, members, transfer_s, prepare_s)
+            sent, transfer_s, prepare_s = self._up_to_the_vote(sync, members)
+        report = self._commit(sync, members, sent, transfer_s, prepare_s)
         report.staged, report.stage_s = sync.staged, stage_s
         if sync.verify and sync.verify_while_paused:
             self._verify(members, report)
@@ -143,9 +143,10 @@ class SyncProtocol:
         report.failed = [m for m in members if report.outcomes[m.name] != COMMITTED]
         return report
 
-    def _up_to_the_vote(self, sync: SyncRequest, members: list[Member]) -> tuple[float, float]:
+    def _up_to_the_vote(self, sync: SyncRequest, members: list[Member]) -> tuple[list[ChunkInfo], float, float]:
         """Pause, start, chunks, prepare and the vote; any failure abandons the sync (Abandoned).
-        Returns the seconds of the transfer and of the prepare."""
+        Returns the chunks sent (with their digests), the seconds of the transfer and of the
+        prepare."""
         replies = self._pause(sync, members)
         paused = [m for m in members if not isinstance(replies[m.name], BaseException)]
         ours = [m for m in paused if m.name not in sync.found_paused]
@@ -155,7 +156,7 @@ class SyncProtocol:
             step(members, "start", self._call("StartWeightUpdate", cpb.StartWeightUpdateRequest()))
             return self._send_and_vote(sync, members)
 
-    def _staged_up_to_the_vote(self, sync: SyncRequest, members: list[Member]) -> tuple[float, float]:
+    def _staged_up_to_the_vote(self, sync: SyncRequest, members: list[Member]) -> tuple[list[ChunkInfo], float, float]:
         """Stage, chunks, prepare and the vote while every member generates; a failure
         abandons the sync (Abandoned) before any member was paused for it."""
         with self._abandoning(members, []):
@@ -177,11 +178,14 @@ class SyncProtocol:
         pause = cpb.PauseGenerationRequest(mode=PAUSE_MODES[sync.pause_mode])
         return each(members, lambda m: m.client.control.PauseGeneration.future(pause, timeout=self._pause_timeout_s))
 
-    def _send_and_vote(self, sync: SyncRequest, members: list[Member]) -> tuple[float, float]:
-        num_bytes = sum(c.num_bytes for c in sync.chunks)
+    def _send_and_vote(self, sync: SyncRequest, members: list[Member]) -> tuple[list[ChunkInfo], float, float]:
+        layout = sync.payload.layout
+        num_bytes = sum(c.num_bytes for c in layout)
         t0 = time.perf_counter()
-        for chunk in sync.chunks:
-            self._group.send_chunk(members, chunk, sync.tensors, sync.bar)
+        sent = []
+        for chunk, tensors in sync.payload.chunks():
+            self._group.send_chunk(members, chunk, tensors, sync.bar)
+            sent.append(chunk)
         transfer_s = time.perf_counter() - t0
         prepared = step(
             members,
@@ -193,8 +197,8 @@ class SyncProtocol:
                 timeout_s=step_timeout_s(self._timeout_s, num_bytes),
             ),
         )
-        check_votes(prepared, len(sync.chunks), sum(len(c.tensors) for c in sync.chunks))
-        return transfer_s, time.perf_counter() - t0 - transfer_s
+        check_votes(prepared, len(sent), sum(len(c.tensors) for c in sent))
+        return sent, transfer_s, time.perf_counter() - t0 - transfer_s
 
     @contextlib.contextmanager
     def _abandoning(self, members: list[Member], ours: list[Member]) -> Iterator[None]:
@@ -206,9 +210,11 @@ class SyncProtocol:
         except Exception as e:  # the trainer's side (a tensor that cannot be copied, say)
             raise self.abandon(members, ours, Failed("transfer", {"trainer": Outcome.of(e)})) from e
 
-    def _commit(self, sync: SyncRequest, members: list[Member], transfer_s: float, prepare_s: float) -> SyncReport:
+    def _commit(
+        self, sync: SyncRequest, members: list[Member], sent: list[ChunkInfo], transfer_s: float, prepare_s: float
+    ) -> SyncReport:
         """The vote is in: from here on a member that fails is reported, the others commit."""
-        num_bytes = sum(c.num_bytes for c in sync.chunks)
+        num_bytes = sum(c.num_bytes for c in sent)
         t_commit = time.perf_counter()
         finish = cpb.FinishWeightUpdateRequest(weight_version=sync.version)
         finished = each_outcome(
@@ -221,7 +227,8 @@ class SyncProtocol:
             finished=finished,
             served={},
             resumed={},
-            sent={t.name: t.checksum for c in sync.chunks for t in c.tensors},
+            sent={t.name: t.checksum for c in sent for t in c.tensors},
+            chunks=sent,
             transfer_s=transfer_s,
             prepare_s=prepare_s,
             commit_s=commit_s,

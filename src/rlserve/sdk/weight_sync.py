@@ -29,12 +29,22 @@ from rlserve.config import DEFAULT_TRANSFER_TIMEOUT_S
 from rlserve.sdk.client import Client
 from rlserve.sdk.fanout import Failed, Member, Outcome, step_timeout_s
 from rlserve.sdk.group import RendezvousFailed, TransferGroup
-from rlserve.sdk.plan import DEFAULT_CHUNK_BYTES, NamedTensors, check_sizes, plan_patch, plan_sync
+from rlserve.sdk.plan import (
+    DEFAULT_CHUNK_BYTES,
+    NamedTensors,
+    Payload,
+    Planned,
+    TensorStream,
+    check_sizes,
+    plan,
+    plan_patch,
+    plan_sync,
+)
 from rlserve.sdk.protocol import Abandoned, SyncProtocol, SyncReport, SyncRequest, staging
 from rlserve.sdk.senders import SENDERS, NoBar
 from rlserve.types import PauseMode
 from rlserve.wire import patch as _patch
-from rlserve.wire.protocol import BACKEND_NAME, DEFAULT_BUCKET_BYTES, SHM_BACKEND_NAME, ChunkInfo, combined_checksum
+from rlserve.wire.protocol import BACKEND_NAME, DEFAULT_BUCKET_BYTES, SHM_BACKEND_NAME, combined_checksum
 
 TRANSPORTS = {"gloo": BACKEND_NAME, "shm": SHM_BACKEND_NAME}
 
@@ -162,7 +172,8 @@ class WeightSync:
         staged: bool | None = None,
     ) -> SyncStats:
         """Push `weights` (names as in the served HF checkpoint; a subset updates only those)
-        and publish `version`. `staged` (default: where the server offers it) receives and
+        and publish `version`; a `TensorStream` is sent as it streams (one chunk of it held
+        at a time). `staged` (default: where the server offers it) receives and
         prepares the update while the server generates with its old weights, and pauses
         generation only for the commit; False pauses it for the whole sync. `patch=True` sends only the elements that changed since this
         object's last sync with `patch=True` (it keeps a copy of what it sent: the model's
@@ -170,16 +181,15 @@ class WeightSync:
         only, as changes to the weights the server serves now. Where a patch would be no
         smaller, or the server no longer serves what was last sent, the whole tensors go."""
         mode = PauseMode(pause_mode)
-        tensors, chunks, dense, state = self._begin(weights, patch)
+        payload, dense, state = self._begin(weights, patch)
         staged = staging(state.staged_weight_updates, staged, _cannot_stage)
         # Someone else's pause (an operator draining the server) is theirs to end.
         resume = state.pause_phase == lifecycle_pb2.PAUSE_PHASE_RUNNING
         name = self._member.name
-        bar = _progress_bar(sum(c.num_bytes for c in chunks), progress)
+        bar = _progress_bar(sum(c.num_bytes for c in payload.layout), progress)
         request = SyncRequest(
             [self._member],
-            chunks,
-            tensors,
+            payload,
             version,
             pause_mode=mode,
             verify=verify,
@@ -207,7 +217,7 @@ class WeightSync:
             # A copy: the caller's tensors (the model's own, on the CPU) change in place.
             kept = self._last_sent or {}
             self._last_sent = {**kept, **{n: t.clone() for n, t in dense.items()}}
-        return _stats(report, version, chunks, report.served[name].overall if verify else None, resume)
+        return _stats(report, version, report.served[name].overall if verify else None, resume)
 
     def sync_lora(
         self,
@@ -224,7 +234,8 @@ class WeightSync:
         they started with. `new_version` replaces an adapter already loaded under `name`;
         without it a loaded name is refused. Raises WeightSyncError (the old version, if
         any, keeps serving)."""
-        tensors, chunks, _, _ = self._begin(adapter, False)
+        payload, _, _ = self._begin(adapter, False)
+        num_bytes = sum(c.num_bytes for c in payload.layout)
         start = lifecycle_pb2.StartLoraUpdateRequest(
             lora_name=name,
             version=version,
@@ -234,11 +245,10 @@ class WeightSync:
         t0 = time.perf_counter()
         try:
             self._lifecycle.StartLoraUpdate(start, timeout=self._rpc_timeout_s)
-            for chunk in chunks:
+            for chunk, tensors in payload.chunks():
                 self._group.send_chunk([self._member], chunk, tensors, NoBar())
             finish = self._lifecycle.FinishLoraUpdate(
-                lifecycle_pb2.FinishLoraUpdateRequest(),
-                timeout=step_timeout_s(self._timeout_s, sum(c.num_bytes for c in chunks)),
+                lifecycle_pb2.FinishLoraUpdateRequest(), timeout=step_timeout_s(self._timeout_s, num_bytes)
             )
         except Exception as e:
             cause = _cause(e)
@@ -251,8 +261,8 @@ class WeightSync:
             lora_name=name,
             version=finish.version,
             lora_id=finish.adapter.lora_id,
-            num_tensors=len(tensors),
-            num_bytes=sum(c.num_bytes for c in chunks),
+            num_tensors=sum(len(c.tensors) for c in payload.layout),
+            num_bytes=num_bytes,
             transfer_s=time.perf_counter() - t0,
         )
 
@@ -261,7 +271,7 @@ class WeightSync:
 
     def _begin(
         self, weights: NamedTensors, patch: bool | Mapping[str, torch.Tensor]
-    ) -> tuple[dict[str, torch.Tensor], list[ChunkInfo], dict[str, torch.Tensor], Any]:
+    ) -> tuple[Payload, dict[str, torch.Tensor], Any]:
         """`_prepare`, with a refusal before anything changed (another trainer's init or
         session in the way, say) as WeightSyncError like every later one."""
         try:
@@ -275,25 +285,30 @@ class WeightSync:
 
     def _prepare(
         self, weights: NamedTensors, patch: bool | Mapping[str, torch.Tensor]
-    ) -> tuple[dict[str, torch.Tensor], list[ChunkInfo], dict[str, torch.Tensor], Any]:
-        """What to send, its chunks, the whole tensors it makes, and the server's state; a
-        usable transport (a rendezvous if needed)."""
+    ) -> tuple[Payload, dict[str, torch.Tensor], Any]:
+        """What to send, the whole tensors it makes (none for a stream), and the server's
+        state; a usable transport (a rendezvous if needed)."""
+        if isinstance(weights, TensorStream) and patch is not False:
+            raise ValueError("a TensorStream is sent whole: a patch needs the tensors it compares")
         state = self._lifecycle.GetState(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
         # Sent in the dtype the server computes with: what it serves is then what was sent.
-        dense, chunks = plan_sync(
-            weights,
-            getattr(torch, state.weight_dtype, None),
-            chunk_bytes=self._chunk_bytes,
-            bucket_bytes=self._bucket_bytes,
-        )
-        tensors = dense
-        changed = self._changed(dense, patch, state.weight_version)
-        if changed is not None:
-            sizes = {"chunk_bytes": self._chunk_bytes, "bucket_bytes": self._bucket_bytes}
-            tensors, chunks = plan_patch(dense, changed, state.weight_version, **sizes)
-        if not self._group.spans([self._member.name], chunks) or not state.transport_ready:
-            self._init(self._group.span_of(chunks))
-        return tensors, chunks, dense, state
+        dtype = getattr(torch, state.weight_dtype, None)
+        sizes = {"chunk_bytes": self._chunk_bytes, "bucket_bytes": self._bucket_bytes}
+        payload: Payload
+        dense: dict[str, torch.Tensor] = {}
+        if patch is False:
+            payload = plan(weights, dtype, **sizes)
+            if isinstance(payload, Planned):
+                dense = dict(payload.tensors)
+        else:
+            dense, chunks = plan_sync(weights, dtype, **sizes)
+            tensors, changed = dense, self._changed(dense, patch, state.weight_version)
+            if changed is not None:
+                tensors, chunks = plan_patch(dense, changed, state.weight_version, **sizes)
+            payload = Planned(chunks, tensors)
+        if not self._group.spans([self._member.name], payload.layout) or not state.transport_ready:
+            self._init(self._group.span_of(payload.layout))
+        return payload, dense, state
 
     def _changed(
         self, dense: Mapping[str, torch.Tensor], patch: bool | Mapping[str, torch.Tensor], served_version: str
@@ -349,13 +364,13 @@ def _progress_bar(total_bytes: int, enabled: bool) -> Any:
     return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="weight sync")
 
 
-def _stats(report: SyncReport, version: str, chunks: list[ChunkInfo], served: str | None, resumed: bool) -> SyncStats:
+def _stats(report: SyncReport, version: str, served: str | None, resumed: bool) -> SyncStats:
     """`served`: the server's digest when verified (None: the digest of what was sent)."""
     return SyncStats(
         weight_version=version,
         num_tensors=len(report.sent),
-        num_bytes=sum(c.num_bytes for c in chunks),
-        num_chunks=len(chunks),
+        num_bytes=sum(c.num_bytes for c in report.chunks),
+        num_chunks=len(report.chunks),
         transfer_s=report.transfer_s,
         pause_to_resume_s=report.pause_to_resume_s,
         commit_s=report.commit_s,

@@ -26,7 +26,7 @@ from rlserve.sdk.fleet.members import (
 )
 from rlserve.sdk.fleet.routing import FleetRouter
 from rlserve.sdk.group import RendezvousFailed, TransferGroup
-from rlserve.sdk.plan import DEFAULT_CHUNK_BYTES, NamedTensors, check_sizes, plan_sync
+from rlserve.sdk.plan import DEFAULT_CHUNK_BYTES, NamedTensors, check_sizes, plan
 from rlserve.sdk.protocol import Abandoned, SyncProtocol, SyncReport, SyncRequest, staging
 from rlserve.sdk.senders import SENDERS
 from rlserve.types import PauseMode
@@ -200,14 +200,15 @@ class Fleet:
         # A member someone else paused (an operator draining it) stays paused: theirs to end.
         found_paused = {n for n, s in states.items() if s.pause_phase != lifecycle_pb2.PAUSE_PHASE_RUNNING}
         dtype = getattr(torch, states[members[0].name].weight_dtype, None)
-        tensors, chunks = plan_sync(weights, dtype, chunk_bytes=self._chunk_bytes, bucket_bytes=self._bucket_bytes)
-        if not self._group.spans(list(self._members), chunks) or not all(s.transport_ready for s in states.values()):
-            self.init(require_same_weights=False, span=self._group.span_of(chunks))
+        payload = plan(weights, dtype, chunk_bytes=self._chunk_bytes, bucket_bytes=self._bucket_bytes)
+        layout = payload.layout
+        if not self._group.spans(list(self._members), layout) or not all(s.transport_ready for s in states.values()):
+            self.init(require_same_weights=False, span=self._group.span_of(layout))
         init_s = time.perf_counter() - t_init
-        self._check_partial(members, set(tensors))
+        self._check_partial(members, {t.name for c in layout for t in c.tensors})
         offered = all(s.staged_weight_updates for s in states.values())
         staged = staging(offered, staged, _cannot_stage)
-        request = SyncRequest(members, chunks, tensors, version, mode, verify, found_paused=found_paused, staged=staged)
+        request = SyncRequest(members, payload, version, mode, verify, found_paused=found_paused, staged=staged)
         try:
             report = self._protocol.run(request)
         except Abandoned as e:
@@ -227,7 +228,7 @@ class Fleet:
         stuck = {n: str(r) for n, r in report.resumed.items() if not r.ok}
         if stuck:
             logger.warning("fleet: committed %r but resume failed on %s", version, stuck)
-        return _stats(report, version, members, chunks, init_s, found_paused)
+        return _stats(report, version, members, init_s, found_paused)
 
     def _check_partial(self, members: list[Member], names: set[str]) -> None:
         """A sync that leaves tensors out keeps those as each server serves them: only right
@@ -324,14 +325,14 @@ def _cannot_stage() -> ValueError:
 
 
 def _stats(
-    report: SyncReport, version: str, members: list[Member], chunks: list, init_s: float, found_paused: set[str]
+    report: SyncReport, version: str, members: list[Member], init_s: float, found_paused: set[str]
 ) -> FleetSyncStats:
     return FleetSyncStats(
         weight_version=version,
         servers=tuple(m.name for m in members),
         num_tensors=len(report.sent),
-        num_bytes=sum(c.num_bytes for c in chunks),
-        num_chunks=len(chunks),
+        num_bytes=sum(c.num_bytes for c in report.chunks),
+        num_chunks=len(report.chunks),
         init_s=init_s,
         transfer_s=report.transfer_s,
         prepare_s=report.prepare_s,
