@@ -142,6 +142,22 @@ def checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(model_dir / "model.safetensors"))
 
 
+async def sync_checkpoint(target: str, model_dir: Path, timeout_s: float = 20.0) -> None:
+    """Serve the checkpoint's weights: a module on a shared engine starts from them (an earlier
+    module may have left its own weights served)."""
+    from rlserve.sdk.weight_sync import WeightSync
+
+    def sync() -> None:
+        with Client(target) as client:
+            ws = WeightSync(client, timeout_s=timeout_s)
+            try:
+                ws.sync(checkpoint(model_dir), "checkpoint")
+            finally:
+                ws.close()
+
+    await asyncio.to_thread(sync)
+
+
 def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {n: t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype) for n, t in checkpoint(model_dir).items()}

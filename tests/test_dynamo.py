@@ -34,7 +34,7 @@ from rlserve.sdk.launch import free_port
 from rlserve.sdk.plan import plan_sync
 from rlserve.sdk.senders import TensorSender
 
-from helpers import PROMPT, gloo_server, greedy, perturbed, serving
+from helpers import PROMPT, gloo_server, greedy, perturbed, serving, sync_checkpoint
 from tiny_model import make_tiny_lora
 
 DYNAMO_PYTHON = Path(__file__).resolve().parent.parent / ".venv-dynamo" / "bin" / "python"
@@ -135,11 +135,14 @@ async def dynamo(grpc_target: str, model: str, tmp: Path, **extra_env: str) -> A
 
 
 @pytest.fixture
-async def stack(wt_engine, engine_config, tmp_path):
+async def stack(wt_engine, engine_config, tmp_path, tiny_model_dir):
     async with (
         gloo_server(wt_engine, engine_config, transfer_timeout_s=20) as s,
         dynamo(s.target, engine_config.served_names[0], tmp_path) as d,
     ):
+        # The shared engine may serve what an earlier module synced (the weights this module
+        # syncs among them: test_fleet's): the checkpoint first.
+        await sync_checkpoint(s.target, tiny_model_dir)
         yield s, d
 
 
