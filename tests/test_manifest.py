@@ -183,3 +183,10 @@ def test_an_announcement_that_cannot_be_sent_is_refused_before_anything_is_taken
 
     with pytest.raises(ValueError, match=match):
         plan(TensorStream(metadata, never()), torch.float32)
+
+
+def test_a_stream_is_not_planned_whole_nor_patched():
+    from rlserve.sdk.plan import plan_sync
+
+    with pytest.raises(ValueError, match="not planned whole, nor patched"):
+        plan_sync(_stream({"a": torch.zeros(4)}))

@@ -307,8 +307,11 @@ async def test_async_grpos_protocols_push_versions_and_buffer_rollouts_with_thei
             if version == 1:
                 worker.start()
             worker.check_health(stale_after_s=TIMEOUT_S)
+        # Groups sampled while the second push staged are in the buffer first: take samples
+        # until one generated after it arrives (each get bounded).
         samples = []
-        while len(samples) < 8:
+        while not samples or samples[-1].model_version != 2:
+            assert len(samples) < worker.rollout_buffer.maxsize + 64, "no sample after the second push"
             samples.append(worker.rollout_buffer.get(timeout=TIMEOUT_S))
         worker.stop()
         push.destroy()

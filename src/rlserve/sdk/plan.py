@@ -158,7 +158,7 @@ def plan_patch(
 
 def _named_tensors(weights: NamedTensors, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(weights, TensorStream):
-        raise ValueError("a TensorStream is sent as it streams (plan), not planned whole")
+        raise ValueError("a TensorStream is sent as it streams (plan): it is not planned whole, nor patched")
     if isinstance(weights, torch.nn.Module):
         items: Iterable[tuple[str, torch.Tensor]] = weights.named_parameters()
     elif isinstance(weights, Mapping):

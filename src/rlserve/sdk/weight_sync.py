@@ -34,7 +34,6 @@ from rlserve.sdk.plan import (
     NamedTensors,
     Payload,
     Planned,
-    TensorStream,
     check_sizes,
     plan,
     plan_patch,
@@ -288,8 +287,6 @@ class WeightSync:
     ) -> tuple[Payload, dict[str, torch.Tensor], Any]:
         """What to send, the whole tensors it makes (none for a stream), and the server's
         state; a usable transport (a rendezvous if needed)."""
-        if isinstance(weights, TensorStream) and patch is not False:
-            raise ValueError("a TensorStream is sent whole: a patch needs the tensors it compares")
         state = self._lifecycle.GetState(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
         # Sent in the dtype the server computes with: what it serves is then what was sent.
         dtype = getattr(torch, state.weight_dtype, None)

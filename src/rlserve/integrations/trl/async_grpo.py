@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from rlserve.api.vllm import inference_pb2 as pb
-from rlserve.integrations.trl.client import Options
+from rlserve.integrations.trl.client import Options, drained
 from rlserve.rl.rollout import StreamedSequence, stream_sequences
 from rlserve.sdk.client import AsyncClient, Client, generate_request
 from rlserve.sdk.plan import TensorStream
@@ -63,15 +63,11 @@ class RlserveWeightTransfer:
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         """One sync of what `iterator` yields; raises WeightSyncError (the old version keeps
         serving). The iterator is drained whatever happens (its gathers are collectives)."""
-        items = iter(iterator)
-        weights: Any = TensorStream(self.metadata, items) if self.metadata is not None else items
-        try:
+        with drained(iterator) as items:
+            weights: Any = TensorStream(self.metadata, items) if self.metadata is not None else items
             stats = self.weight_sync.sync(
                 weights, str(self.model_version + 1), staged=self.options.staged, verify=self.options.verify
             )
-        finally:
-            for _ in items:
-                pass
         self.sync_stats.append(stats)
         self.model_version += 1
 

@@ -25,7 +25,7 @@ from rlserve.api.vllm import control_pb2
 from rlserve.api.vllm import inference_pb2 as pb
 from rlserve.rl.rollout import StreamedSequence, stream_sequences
 from rlserve.sdk.client import AsyncClient, ChannelCredentials, Client, generate_request
-from rlserve.sdk.plan import TensorStream
+from rlserve.sdk.plan import DEFAULT_BUCKET_BYTES, TensorStream
 from rlserve.sdk.weight_sync import SyncStats, WeightSync
 
 # Tensors held by the trainer per chunk while a step's weights stream (the whole model at
@@ -58,7 +58,7 @@ class Options:
             timeout_s=self.sync_timeout_s,
             rpc_timeout_s=self.rpc_timeout_s,
             chunk_bytes=self.chunk_bytes,
-            bucket_bytes=min(self.chunk_bytes, 64 * 1024 * 1024),
+            bucket_bytes=min(self.chunk_bytes, DEFAULT_BUCKET_BYTES),
             transport=self.transport,
         )
 
@@ -181,8 +181,8 @@ class RlserveVLLMClient:
         **legacy: Any,
     ) -> dict[str, Any]:
         """`n` completions of every prompt (text or token ids), prompt-major, as TRL's client
-        returns them (`logprobs`: per token the sampled one first, then the top `logprobs`),
-        plus `weight_versions` per token. Older TRL's `images`, `truncate_prompt_tokens` and
+        returns them (`logprobs`: per token the sampled one and the top `logprobs`, by
+        descending probability), plus `weight_versions` per token. Older TRL's `images`, `truncate_prompt_tokens` and
         `guided_decoding_regex` are taken too."""
         if features is not None or legacy.get("images") is not None:
             raise NotImplementedError("image prompts: rlserve's TRL adapter takes text and token ids")
@@ -209,7 +209,8 @@ class RlserveVLLMClient:
         self.last_versions = [s.versions for s in sequences]
         lps, lp_ids = _logprobs(sequences) if logprobs is not None else (None, None)
         return {
-            "prompt_ids": [group[0].prompt_ids or list(p) for group, p in zip(groups, _ids_or_empty(prompts))],
+            # A text prompt's ids come from the server; token ids are the caller's own.
+            "prompt_ids": [g[0].prompt_ids if isinstance(p, str) else list(p) for g, p in zip(groups, prompts)],
             "completion_ids": [s.token_ids for s in sequences],
             "logprobs": lps,
             "logprob_token_ids": lp_ids,
@@ -219,24 +220,16 @@ class RlserveVLLMClient:
     def chat(
         self,
         messages: Sequence[Sequence[dict]],
-        n: int = 1,
-        repetition_penalty: float = 1.0,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        max_tokens: int = 16,
-        logprobs: int | None = 0,
-        structured_outputs_regex: str | None = None,
-        generation_kwargs: dict | None = None,
         chat_template_kwargs: dict | None = None,
         tools: list | None = None,
         chat_template: str | None = None,
         max_concurrent_requests: int = 64,
+        **sampling: Any,
     ) -> dict[str, Any]:
-        """`generate` on the conversations rendered with the chat template on the trainer's
-        side (rlserve takes token ids): the tokenizer of `Options.tokenizer`, else the served
-        model's."""
+        """`generate` (its sampling arguments, TRL's: `n`, `temperature`, `max_tokens`, ...) on
+        the conversations rendered with the chat template on the trainer's side (rlserve takes
+        token ids): the tokenizer of `Options.tokenizer`, else the served model's. Every
+        conversation is in flight at once (`max_concurrent_requests` is TRL's, unused)."""
         tokenizer = self._tokenizer()
         prompts = [
             list(
@@ -252,19 +245,7 @@ class RlserveVLLMClient:
             )
             for conversation in messages
         ]
-        return self.generate(
-            prompts,
-            n=n,
-            repetition_penalty=repetition_penalty,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            max_tokens=max_tokens,
-            logprobs=logprobs,
-            structured_outputs_regex=structured_outputs_regex,
-            generation_kwargs=generation_kwargs,
-        )
+        return self.generate(prompts, **sampling)
 
     def image_features(self, images: Any, max_concurrent_requests: int = 64) -> list:
         raise NotImplementedError("image prompts: rlserve's TRL adapter takes text and token ids")
@@ -337,7 +318,8 @@ class RlserveVLLMClient:
             self._batch.extend(named_params)
             return
         self._commit_pending()
-        self._sync(TensorStream(list(metadata), named_params))
+        with drained(named_params) as items:
+            self._sync(TensorStream(list(metadata), items))
 
     def update_model_params(self, model: torch.nn.Module) -> None:
         metadata = [(n, str(p.dtype).removeprefix("torch."), list(p.shape)) for n, p in model.named_parameters()]
@@ -358,6 +340,7 @@ class RlserveVLLMClient:
         if self._aio is not None:
             self._loop.run_until_complete(self._aio.close())
             self._aio = None
+        self._loop.close()
         self.client.close()
 
     def _commit_pending(self) -> None:
@@ -366,25 +349,28 @@ class RlserveVLLMClient:
             self._sync(pending)
 
     def _sync(self, weights: TensorStream | list[tuple[str, torch.Tensor]]) -> None:
-        """One versioned sync. The rest of a stream is drained whatever happens: under FSDP,
-        DeepSpeed or PEFT TRL's iterator gathers (every rank takes part) and merges adapters
-        that it unmerges only at its end."""
-        if not isinstance(weights, TensorStream) and not weights:
+        """One versioned sync (none of an empty list)."""
+        if not weights:
             return
         if self.weight_sync is None:
             self.init_communicator()
         assert self.weight_sync is not None
-        items = iter(weights.items) if isinstance(weights, TensorStream) else iter(())
-        payload = TensorStream(weights.metadata, items) if isinstance(weights, TensorStream) else weights
-        try:
-            stats = self.weight_sync.sync(
-                payload, str(self.step), staged=self.options.staged, verify=self.options.verify
-            )
-        finally:
-            for _ in items:
-                pass
+        stats = self.weight_sync.sync(weights, str(self.step), staged=self.options.staged, verify=self.options.verify)
         self.sync_stats.append(stats)
         self.step += 1
+
+
+@contextlib.contextmanager
+def drained(named_params: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+    """The tensors TRL yields, run to their end whatever happens to the sync: under FSDP,
+    DeepSpeed or PEFT its iterator gathers (every rank takes part) and merges adapters that it
+    unmerges only at its end."""
+    items = iter(named_params)
+    try:
+        yield items
+    finally:
+        for _ in items:
+            pass
 
 
 def _request(
@@ -439,7 +425,3 @@ def _logprobs(sequences: Sequence[StreamedSequence]) -> tuple[list, list]:
         all_lps.append(lps)
         all_ids.append(ids)
     return all_lps, all_ids
-
-
-def _ids_or_empty(prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[Sequence[int]]:
-    return [[] if isinstance(p, str) else p for p in prompts]
