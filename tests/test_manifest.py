@@ -172,6 +172,8 @@ def test_a_stream_that_is_not_what_it_announced_is_refused_before_its_chunk(chan
         ([("a", "float32", [-1])], "non-negative"),
         ([("", "float32", [1])], "needs a name"),
         ([("a", "nonsense", [1])], "unknown dtype"),
+        ([("a", "float32", [1 << 20, 1 << 20, 1 << 20])], "at most"),  # 4 EiB: sized nothing yet
+        ([("a", "float32", [True])], "non-negative integers"),
     ],
 )
 def test_an_announcement_that_cannot_be_sent_is_refused_before_anything_is_taken(metadata, match):

@@ -15,7 +15,14 @@ from typing import Protocol
 import torch
 
 from rlserve.wire import patch
-from rlserve.wire.protocol import DEFAULT_BUCKET_BYTES, DTYPE_BYTES, ChunkInfo, TensorMeta, tensor_checksum
+from rlserve.wire.protocol import (
+    DEFAULT_BUCKET_BYTES,
+    DTYPE_BYTES,
+    MAX_TENSOR_BYTES,
+    ChunkInfo,
+    TensorMeta,
+    tensor_checksum,
+)
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024 * 1024
 
@@ -189,9 +196,13 @@ def _announced(entry: tuple[str, str, Sequence[int]], dtype: torch.dtype | None)
     sent_name = str(sent).removeprefix("torch.")
     if sent_name not in DTYPE_BYTES:
         raise ValueError(f"{name}: only {sorted(DTYPE_BYTES)} tensors can be sent, got {dtype_name!r}")
-    if any(not isinstance(d, int) or d < 0 for d in shape):
+    if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
         raise ValueError(f"{name}: a shape is non-negative integers, got {list(shape)}")
-    return TensorMeta(name, sent_name, tuple(shape), "")
+    meta = TensorMeta(name, sent_name, tuple(shape), "")
+    if meta.num_bytes > MAX_TENSOR_BYTES:
+        # What the server takes, and what sizes the trainer's segment before a byte arrives.
+        raise ValueError(f"{name}: {meta.num_bytes} bytes announced; a tensor is at most {MAX_TENSOR_BYTES}")
+    return meta
 
 
 def _take(items: Iterator[tuple[str, torch.Tensor]], meta: TensorMeta, dtype: torch.dtype | None) -> torch.Tensor:
