@@ -17,6 +17,7 @@ import torch
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
+from rlserve.config import ServeConfig
 from rlserve.rl.grpo import completion_logprobs, group_advantages, grpo_loss
 from rlserve.rl.loop import GrpoConfig, GrpoLoop, Policy
 from rlserve.rl.rollout import Rollout, SamplingConfig, versions_from_spans
@@ -24,7 +25,7 @@ from rlserve.rl.tasks import Arithmetic, Problem
 from rlserve.sdk.weight_sync import SyncStats, WeightSync
 from rlserve.types import WeightVersionSpan
 
-from helpers import checkpoint, gloo_server
+from helpers import checkpoint, gloo_server, serving, sync_checkpoint
 
 # Measured on this model in float32: the trainer's logprobs of the server's tokens, right after
 # the trainer's weights were published (served weights digest-equal to the trainer's), differ
@@ -121,6 +122,35 @@ async def test_agreement_holds_and_a_sync_that_moves_no_weights_is_caught(rl_ser
     broken = await run_loop(tiny_policy(tiny_model_dir), rl_server.target, SMALL, 2, sync=label_only)
     assert broken[0].agreement_ok  # sampled by the published initial weights
     assert not broken[1].agreement_ok and broken[1].logprob_diff_max > 10 * TOLERANCE
+
+
+async def test_at_temperature_0_7_the_loop_agrees_with_processed_logprobs_and_refuses_raw_ones(
+    engines, engine_config, rl_server, tiny_model_dir
+):
+    """Sampling at 0.7: against a server with processed logprobs the trainer scores with
+    log softmax(logits / 0.7) and agrees token by token, every step; against one with raw
+    logprobs (rl_server) the loop refuses before the first step, naming the flag."""
+    warm = replace(SMALL, sampling=replace(SMALL.sampling, temperature=0.7))
+    fields = {"logprobs_mode": "processed_logprobs", "weight_transfer_backend": "rlserve_gloo"}
+    engine = await engines.get(**fields)
+    config = ServeConfig(engine=replace(engine_config, **fields), transfer_timeout_s=20.0)
+    async with serving(engine, config) as s:
+        records = await run_loop(tiny_policy(tiny_model_dir), s.target, warm, 2)
+        await sync_checkpoint(s.target, tiny_model_dir)
+    assert [r.version for r in records] == ["1", "2"]
+    assert all(r.agreement_ok and r.agreement_tokens > 0 and r.tokens_used > 0 for r in records)
+    assert max(r.logprob_diff_max for r in records) < TOLERANCE / 10, [r.logprob_diff_max for r in records]
+    before = (await rl_server.lifecycle.GetState(lpb.GetStateRequest())).weight_version
+    with pytest.raises(ValueError, match="--logprobs-mode processed_logprobs"):
+        await run_loop(tiny_policy(tiny_model_dir), rl_server.target, warm, 1)
+    assert (await rl_server.lifecycle.GetState(lpb.GetStateRequest())).weight_version == before
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        GrpoLoop(
+            tiny_policy(tiny_model_dir),
+            VariedTask(),
+            rl_server.target,
+            replace(SMALL, sampling=replace(SMALL.sampling, temperature=0.0)),
+        )
 
 
 async def test_async_mode_never_trains_on_a_token_older_than_its_bound(rl_server, tiny_model_dir):

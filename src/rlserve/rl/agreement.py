@@ -40,13 +40,15 @@ class Agreement:
         return AGREEMENT_OK if max(self.diffs) <= tolerance else AGREEMENT_MISMATCH
 
 
-def measure_agreement(policy: Policy, rollouts: Sequence[Rollout], sample_size: int) -> Agreement:
+def measure_agreement(
+    policy: Policy, rollouts: Sequence[Rollout], sample_size: int, temperature: float = 1.0
+) -> Agreement:
     """A spread sample of `sample_size` rollouts, every token scored in float32 under the
     weights of the version that sampled it (the current weights, or kept ones of an older
     version; a token of a version no longer kept is skipped)."""
     n = sample_size
     sample = list(rollouts[:: max(1, len(rollouts) // n)])[:n] if n else []
-    scored = _scored_by_version(policy, sample)
+    scored = _scored_by_version(policy, sample, temperature)
     agreement = Agreement()
     for r in sample:
         if all((id(r), v) in scored for v in set(r.versions)):
@@ -54,7 +56,9 @@ def measure_agreement(policy: Policy, rollouts: Sequence[Rollout], sample_size: 
     return agreement
 
 
-def _scored_by_version(policy: Policy, sample: Sequence[Rollout]) -> dict[tuple[int, str], torch.Tensor]:
+def _scored_by_version(
+    policy: Policy, sample: Sequence[Rollout], temperature: float
+) -> dict[tuple[int, str], torch.Tensor]:
     """(id(rollout), version) -> the rollout's logprobs under that version's weights, for every
     version a rollout has tokens of whose weights are still at hand."""
     by_version: dict[str, list[Rollout]] = {}
@@ -68,6 +72,7 @@ def _scored_by_version(policy: Policy, sample: Sequence[Rollout]) -> dict[tuple[
             weights = None if age == 0 else policy.weights_of(policy.version - age)
             if age != 0 and weights is None:  # not kept, or never published by this trainer
                 continue
-            for r, lp in zip(members, completion_logprobs(policy.model, members, policy.pad_id, weights)):
+            scores = completion_logprobs(policy.model, members, policy.pad_id, weights, temperature=temperature)
+            for r, lp in zip(members, scores):
                 scored[id(r), v] = lp
     return scored

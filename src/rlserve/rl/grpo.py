@@ -56,13 +56,16 @@ def completion_logprobs(
     params: Mapping[str, torch.Tensor] | None = None,
     *,
     bf16: bool = False,
+    temperature: float = 1.0,
 ) -> list[torch.Tensor]:
     """log p(token | prefix) of every completion token, one tensor per rollout, under the
-    model's weights or under `params` (a state dict, e.g. the weights of an older version).
-    Only completion positions go through the output head; the softmax is in float32.
+    model's weights or under `params` (a state dict, e.g. the weights of an older version),
+    of the distribution sampled at `temperature` (log softmax(logits / temperature): what a
+    server with processed logprobs returns). Only completion positions go through the
+    output head; the softmax is in float32.
     `bf16` runs the matmuls in bfloat16 (autocast): ~2.4x faster for training on a CPU
     with AVX512-BF16, too coarse to check agreement with."""
-    scorer = _Scorer(model, pad_id)
+    scorer = _Scorer(model, pad_id, temperature)
     with torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16, enabled=bf16):
         if params is None:
             return scorer(rollouts)
@@ -71,7 +74,9 @@ def completion_logprobs(
         return torch.func.functional_call(scorer, weights, (rollouts,), tie_weights=False)
 
 
-def _logprobs(model: PreTrainedModel, rollouts: Sequence[Rollout], pad_id: int) -> list[torch.Tensor]:
+def _logprobs(
+    model: PreTrainedModel, rollouts: Sequence[Rollout], pad_id: int, temperature: float
+) -> list[torch.Tensor]:
     sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
@@ -89,7 +94,7 @@ def _logprobs(model: PreTrainedModel, rollouts: Sequence[Rollout], pad_id: int) 
         rows += [i] * r.num_tokens
         cols += range(start, start + r.num_tokens)
         targets += r.completion_ids
-    logits = model.get_output_embeddings()(hidden[rows, cols]).float()
+    logits = model.get_output_embeddings()(hidden[rows, cols]).float() / temperature
     picked = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(targets).unsqueeze(1)).squeeze(1)
     return list(picked.split([r.num_tokens for r in rollouts]))
 
@@ -97,12 +102,12 @@ def _logprobs(model: PreTrainedModel, rollouts: Sequence[Rollout], pad_id: int) 
 class _Scorer(torch.nn.Module):
     """The scoring pass as a module, so that functional_call can run it on other weights."""
 
-    def __init__(self, model: PreTrainedModel, pad_id: int) -> None:
+    def __init__(self, model: PreTrainedModel, pad_id: int, temperature: float) -> None:
         super().__init__()
-        self.model, self.pad_id = model, pad_id
+        self.model, self.pad_id, self.temperature = model, pad_id, temperature
 
     def forward(self, rollouts: Sequence[Rollout]) -> list[torch.Tensor]:
-        return _logprobs(self.model, rollouts, self.pad_id)
+        return _logprobs(self.model, rollouts, self.pad_id, self.temperature)
 
 
 @dataclass

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 import grpc
 import torch
 
+from rlserve.api.rlserve.v1.lifecycle_pb2 import GetStateRequest
+from rlserve.api.rlserve.v1.lifecycle_pb2_grpc import LifecycleStub
 from rlserve.rl.agreement import Agreement, measure_agreement
 from rlserve.rl.config import TRAIN_DTYPES, GrpoConfig
 from rlserve.rl.policy import Policy
@@ -80,6 +82,8 @@ class GrpoLoop:
     ) -> None:
         if config.max_staleness < 0:
             raise ValueError("max_staleness must be >= 0")
+        if not config.sampling.temperature > 0:
+            raise ValueError(f"the sampling temperature must be > 0, got {config.sampling.temperature}")
         self.policy, self.task, self.config = policy, task, config
         self._credentials = credentials
         self._weight_sync: WeightSync | None = None
@@ -135,14 +139,29 @@ class GrpoLoop:
         deadline = time.monotonic() + timeout_s
         for target, client in zip(self._targets, self._clients):
             wait_serving(client, target, deadline, timeout_s, on_wait)
+            self._check_logprobs_mode(target, client)
         if self.fleet is not None:
             self.fleet.init(require_same_weights=False)  # the first sync sends every tensor
         return self._push(self.policy.model, str(self.policy.version))
 
+    def _check_logprobs_mode(self, target: str, client: Client) -> None:
+        """Sampling at a temperature other than 1 needs the logprobs of the distribution
+        sampled from (processed ones): with raw ones the ratio and the agreement would
+        compare two distributions. ValueError naming the server and the flag otherwise."""
+        temperature = self.config.sampling.temperature
+        if temperature == 1.0:
+            return
+        state = LifecycleStub(client.channel).GetState(GetStateRequest(), timeout=30.0)
+        if state.logprobs_mode != "processed_logprobs":
+            raise ValueError(
+                f"sampling at temperature {temperature} needs processed logprobs, but the server at {target} "
+                f"returns {state.logprobs_mode or 'raw_logprobs'}: start it with --logprobs-mode processed_logprobs"
+            )
+
     def agreement(self, rollouts: Sequence[Rollout]) -> Agreement:
         """`agreement_sample` of the rollouts scored under the weights of the versions that
         sampled them, against the server's logprobs (see `agreement.measure_agreement`)."""
-        return measure_agreement(self.policy, rollouts, self.config.agreement_sample)
+        return measure_agreement(self.policy, rollouts, self.config.agreement_sample, self.config.sampling.temperature)
 
     def run(
         self,

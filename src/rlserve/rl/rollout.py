@@ -53,7 +53,8 @@ class Rollout:
 class SamplingConfig:
     group_size: int = 8
     max_new_tokens: int = 16
-    # Logprobs are vLLM's raw ones (before temperature); at 1.0 they are what was sampled from.
+    # At 1.0 a server's default (raw) logprobs are those of the distribution sampled from; at
+    # any other temperature the loop needs a server with processed logprobs (it checks).
     temperature: float = 1.0
     timeout_s: float = 300.0
 

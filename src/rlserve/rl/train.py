@@ -63,14 +63,19 @@ class TrainStep:
             r.reward = self.task.reward(r.problem, r.text)
         group_advantages(rollouts)
         t0 = time.perf_counter()
-        agreement = measure_agreement(policy, rollouts, cfg.agreement_sample)
+        temperature = cfg.sampling.temperature
+        agreement = measure_agreement(policy, rollouts, cfg.agreement_sample, temperature)
         # A rollout with no advantage (its group scored alike) adds nothing to the gradient.
         learning = [r for r in rollouts if r.advantage != 0.0]
         if learning and self.dtype is None:
             self.dtype, self.dtype_seconds = faster_train_dtype(policy, learning)
             phase(f"step {number}: training in {self.dtype} from now on")
         bf16 = self.dtype == "bfloat16"
-        logprobs = completion_logprobs(policy.model, learning, policy.pad_id, bf16=bf16) if learning else []
+        logprobs = (
+            completion_logprobs(policy.model, learning, policy.pad_id, bf16=bf16, temperature=temperature)
+            if learning
+            else []
+        )
         loss, stats = grpo_loss(
             logprobs, learning, current_version=policy.version, max_staleness=cfg.max_staleness, clip=cfg.clip
         )
