@@ -18,7 +18,7 @@ ROUTER_VENV ?= .venv-router
 ROUTER_VERSION := 0.1.17
 ROUTER_STAMP := $(ROUTER_VENV)/.vllm-router-$(ROUTER_VERSION)-installed
 
-.PHONY: install serve demo test bench protos clean
+.PHONY: install serve demo demo-trl test bench protos clean
 
 install: $(STAMP) $(DYNAMO_STAMP) $(ROUTER_STAMP)
 
@@ -56,6 +56,10 @@ serve: install
 DEMO_ARGS ?=
 demo: install
 	$(VENV)/bin/rlserve demo $(DEMO_ARGS)
+
+# The same task with Hugging Face TRL's GRPOTrainer driving rlserve (rlserve.integrations.trl).
+demo-trl: install
+	$(VENV)/bin/rlserve demo --trainer trl $(DEMO_ARGS)
 
 # mypy first (seconds): src/ type-checks, configured in pyproject.toml; then the suite.
 test: install

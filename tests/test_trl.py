@@ -328,3 +328,39 @@ async def test_async_grpos_protocols_push_versions_and_buffer_rollouts_with_thei
     for s in samples:
         assert len(s.input_ids) == len(s.completion_mask) == len(s.old_log_probs)
         assert s.completion_mask.sum() >= 1 and (s.old_log_probs[s.completion_mask == 1] <= 0).all()
+
+
+async def test_the_demo_trains_with_trls_grpo_trainer_through_a_running_server(processed, tiny_model_dir, tmp_path):
+    """`rlserve demo --trainer trl --server ...` as a user runs it: TRL's loop, two steps, a
+    line and a JSON record per step, the server on the last step's version."""
+    import json
+    import sys
+
+    out = tmp_path / "demo"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rlserve", "demo", "--trainer", "trl", "--server", processed.target,
+        "--model", str(tiny_model_dir), "--steps", "2", "--prompts-per-step", "1", "--group-size", "4",
+        "--max-new-tokens", "4", "--out", str(out),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    output, _ = await asyncio.wait_for(proc.communicate(), timeout=300)
+    text = output.decode()
+    assert proc.returncode == 0, text[-3000:]
+    records = [json.loads(line) for line in (out / "trl-steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all("reward" in r for r in records)
+    assert "step 2: reward" in text and "serves version 1" in text
+    state = await processed.lifecycle.GetState(lpb.GetStateRequest())
+    assert state.weight_version == "1"
+    await sync_checkpoint(processed.target, tiny_model_dir)
+
+
+async def test_the_demo_refuses_what_trls_loop_cannot_do(tmp_path):
+    import sys
+
+    for extra in (["--server", "a:1", "--server", "b:2"], ["--async"], ["--group-size", "1"]):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rlserve", "demo", "--trainer", "trl", "--out", str(tmp_path), *extra,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        output, _ = await asyncio.wait_for(proc.communicate(), timeout=120)
+        assert proc.returncode == 2 and b"rlserve demo --trainer trl:" in output, output[-500:]

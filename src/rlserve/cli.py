@@ -291,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     if args.command == "demo":
+        if args.trainer == "trl":
+            from rlserve.integrations.trl import demo as trl_demo
+
+            return trl_demo.run(args)
         from rlserve.rl import demo
 
         return demo.run(args)

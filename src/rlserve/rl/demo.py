@@ -65,20 +65,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-operand", type=int, default=9, help="sums of numbers up to this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("rlserve-demo"), help="log, plot and server log go here")
+    p.add_argument(
+        "--trainer",
+        default="rlserve",
+        choices=("rlserve", "trl"),
+        help="whose loop trains: rlserve.rl's, or Hugging Face TRL's GRPOTrainer through rlserve.integrations.trl "
+        "(needs rlserve[trl]; one server, started with processed logprobs)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = _misfit(args)
+    """`--trainer rlserve`; `rlserve.cli` sends `--trainer trl` to `integrations.trl.demo`."""
+    problem = misfit(args)
     if problem:
         print(f"rlserve demo: {problem}", file=sys.stderr)
         return 2
-    from rlserve.model_cache import default_model_dir
-    from rlserve.sdk.client import ChannelCredentials
-
-    model_dir = Path(args.model) if args.model else default_model_dir(args.cache_dir)
-    args.out.mkdir(parents=True, exist_ok=True)
-    token = os.environ.get(TOKEN_ENV)
-    credentials = ChannelCredentials(token=token) if token else None
+    model_dir, credentials = prepared(args)
     with contextlib.ExitStack() as stack:
         servers = [s.strip() for arg in args.server for s in arg.split(",") if s.strip()]
         if args.num_servers:
@@ -87,6 +89,18 @@ def run(args: argparse.Namespace) -> int:
             stack.enter_context(started_server(model_dir, args.dtype, args.backend, args.out / "server.log"))
         ]
         return _train(args, model_dir, targets, credentials)
+
+
+def prepared(args: argparse.Namespace) -> tuple[Path, Any]:
+    """The model directory (converted on first use), `--out` made, and the admin token's
+    credentials (from $RLSERVE_TOKEN), if any."""
+    from rlserve.model_cache import default_model_dir
+    from rlserve.sdk.client import ChannelCredentials
+
+    model_dir = Path(args.model) if args.model else default_model_dir(args.cache_dir)
+    args.out.mkdir(parents=True, exist_ok=True)
+    token = os.environ.get(TOKEN_ENV)
+    return model_dir, ChannelCredentials(token=token) if token else None
 
 
 def _ray_fleet(args: argparse.Namespace, model_dir: Path):
@@ -231,7 +245,7 @@ def _disagreement(records: Sequence[StepRecord], tolerance: float) -> str:
     )
 
 
-def _misfit(args: argparse.Namespace) -> str:
+def misfit(args: argparse.Namespace) -> str:
     empty = [arg for arg in args.server if not all(s.strip() for s in arg.split(","))]
     if empty:
         return f"--server needs HOST:PORT, comma-separated for several (got {empty[0]!r})"
@@ -264,12 +278,23 @@ def _summary(records: Sequence[StepRecord]) -> str:
 
 
 @contextlib.contextmanager
-def started_server(model_dir: Path, dtype: str, backend: str, log_path: Path):
-    """`rlserve serve` with weight-transfer `backend` on a free loopback port; stopped on exit."""
+def started_server(model_dir: Path, dtype: str, backend: str, log_path: Path, *serve_args: str):
+    """`rlserve serve` with weight-transfer `backend` (and `serve_args`) on a free loopback
+    port; stopped on exit."""
     from rlserve.sdk.launch import ServerProcess
 
     server = ServerProcess(
-        ["--model", str(model_dir), "--dtype", dtype, "--weight-transfer-backend", backend, "--max-model-len", "1024"],
+        [
+            "--model",
+            str(model_dir),
+            "--dtype",
+            dtype,
+            "--weight-transfer-backend",
+            backend,
+            "--max-model-len",
+            "1024",
+            *serve_args,
+        ],  # fmt: skip
         log_path=log_path,
     )
     try:
