@@ -23,7 +23,7 @@ from rlserve.integrations import trl as rlserve_trl
 from rlserve.sdk.weight_sync import WeightSyncError
 from rlserve.wire.protocol import tensor_checksum
 
-from helpers import serving, sync_checkpoint
+from helpers import eventually, serving, sync_checkpoint
 
 pytestmark = pytest.mark.engine
 TIMEOUT_S = 30.0
@@ -364,3 +364,35 @@ async def test_the_demo_refuses_what_trls_loop_cannot_do(tmp_path):
         )  # fmt: skip
         output, _ = await asyncio.wait_for(proc.communicate(), timeout=120)
         assert proc.returncode == 2 and b"rlserve demo --trainer trl:" in output, output[-500:]
+
+
+async def test_a_prompt_the_server_refuses_fails_generate_and_ends_every_other_request(server):
+    """One prompt of a batch is refused (a token id past the vocabulary): generate raises the
+    server's INVALID_ARGUMENT, and the batch's other requests, long ones, are cancelled on the
+    server at once, not left running; the next generate works."""
+    with rlserve_trl.install() as adapter:
+        client = await asyncio.to_thread(adapter, f"grpc://{server.target}")
+        long_ones = [[17, 42, 256]] * 3
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.to_thread(
+                client.generate, [*long_ones, [10**9]], n=2, max_tokens=500, generation_kwargs={"ignore_eos": True}
+            )
+        refused_after_s = time.monotonic() - t0
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        async def none_outstanding() -> bool:
+            return (await server.lifecycle.GetLoad(lpb.GetLoadRequest())).num_outstanding_requests == 0
+
+        # 3 x 2 sequences of 500 tokens take the tiny model seconds on two cores.
+        await eventually(none_outstanding, timeout_s=1.5)
+        again = await asyncio.to_thread(client.generate, long_ones[:1], n=2, max_tokens=4)
+        assert [len(c) for c in again["completion_ids"]] == [4, 4]
+        # Nothing of the failed batch started late either, on the client's next call.
+        assert await none_outstanding()
+        t0 = time.monotonic()
+        await asyncio.to_thread(client.generate, long_ones, n=2, max_tokens=500, generation_kwargs={"ignore_eos": True})
+        # The refusal came at once, not after the batch's other requests ran to their end.
+        print(f"refused after {refused_after_s:.2f} s; the batch takes {time.monotonic() - t0:.2f} s")
+        assert refused_after_s < (time.monotonic() - t0) / 3
+        await asyncio.to_thread(client.close)

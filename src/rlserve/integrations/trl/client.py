@@ -268,7 +268,16 @@ class RlserveVLLMClient:
                 req.token_ids.ids.extend(int(t) for t in prompt)
             return await stream_sequences(client, req, n, timeout_s)
 
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+        streams = [asyncio.ensure_future(one(p)) for p in prompts]
+        try:
+            return list(await asyncio.gather(*streams))
+        except BaseException:
+            # One failed: the others' requests end now (cancelled on the server), not run on
+            # in a loop nobody drives until the next call.
+            for stream in streams:
+                stream.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+            raise
 
     def _tokenizer(self) -> Any:
         if self.options.tokenizer is None:
