@@ -177,11 +177,25 @@ def _named_tensors(weights: NamedTensors, dtype: torch.dtype | None) -> Iterator
 
 
 def _served(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """On the CPU, contiguous, a floating tensor in `dtype` (the one the server computes in)."""
-    t = tensor.detach().to("cpu")
+    """On the CPU, contiguous, a floating tensor in `dtype` (the one the server computes in).
+    Cast where the tensor lives, then moved: a GPU trainer's fp32 model crosses to the host in
+    the served dtype (half the bytes) and the host does no casting."""
+    t = tensor.detach()
     if dtype is not None and t.is_floating_point():
         t = t.to(dtype)
-    return t.contiguous()
+    return t.to("cpu").contiguous()
+
+
+def masked_indices(masks: Mapping[str, torch.Tensor], sent: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The changed flat indices, on the CPU, of each tensor in `sent` from the trainer's masks
+    (on any device; true where an element changed): none for a tensor without a mask.
+    ValueError for a mask of a tensor that is not sent."""
+    sent = list(sent)
+    unknown = sorted(set(masks) - set(sent))
+    if unknown:
+        raise ValueError(f"masks for tensors that are not sent: {unknown[:5]}")
+    masked = {n: torch.nonzero(m.detach().reshape(-1)).view(-1).to("cpu") for n, m in masks.items()}
+    return {n: masked.get(n, torch.empty(0, dtype=torch.long)) for n in sent}
 
 
 def _announced(entry: tuple[str, str, Sequence[int]], dtype: torch.dtype | None) -> TensorMeta:

@@ -35,6 +35,7 @@ from rlserve.sdk.plan import (
     Payload,
     Planned,
     check_sizes,
+    masked_indices,
     plan,
     plan_patch,
     plan_sync,
@@ -314,11 +315,7 @@ class WeightSync:
         if patch is False:
             return None
         if patch is not True:
-            unknown = sorted(set(patch) - set(dense))
-            if unknown:
-                raise ValueError(f"masks for tensors that are not sent: {unknown[:5]}")
-            masked = {n: torch.nonzero(m.reshape(-1)).view(-1) for n, m in patch.items()}
-            return {n: masked.get(n, torch.empty(0, dtype=torch.long)) for n in dense}
+            return masked_indices(patch, dense)
         last = self._last_sent
         if last is None or self._published != served_version:
             return None  # nothing sent yet, or someone changed the weights since
