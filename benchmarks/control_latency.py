@@ -48,12 +48,14 @@ TARGETS = {
 Call = Callable[[], Awaitable[None]]
 
 
-async def timed(call: Call, num_warmup: int, num_samples: int) -> dict:
-    """Sequential calls: `num_warmup` untimed, then `num_samples` timed one by one."""
+async def timed(call: Call, num_warmup: int, num_samples: int, interval_s: float = 0.0) -> dict:
+    """Sequential calls: `num_warmup` untimed, then `num_samples` timed one by one, each
+    `interval_s` after the last one ended."""
     for _ in range(num_warmup):
         await call()
     samples_s = []
     for _ in range(num_samples):
+        await asyncio.sleep(interval_s)
         start = time.perf_counter()
         await call()
         samples_s.append(time.perf_counter() - start)
@@ -90,22 +92,27 @@ async def measure(
     if floor is not None:
         out["health_check"] = await timed(floor, args.num_warmup, args.num_samples)
     out["is_paused"] = await timed(is_paused_call, args.num_warmup, args.num_samples)
-    out["pause_resume"] = await timed(pause_resume, args.num_warmup, args.num_pairs)
+    # Under a load, each pause comes once the held requests are generating again (as a
+    # trainer's pauses, seconds apart), not while the engine is still idle from the last one.
+    interval_s = args.pair_interval_ms / 1000 if args.load_streams else 0.0
+    out["pause_resume"] = await timed(pause_resume, args.num_warmup, args.num_pairs, interval_s)
     return out
 
 
-async def with_foreign_cpu(pid: int, measuring: Awaitable[dict]) -> dict:
-    """Adds the CPU that anything but the server tree and this client used meanwhile, and the
-    hypervisor's steal: with sub-millisecond calls on 2 cores, either one skews the figures."""
-    frontend, client = psutil.Process(pid), psutil.Process()
-    before, client_before, (busy_before, steal_before) = (
+async def with_foreign_cpu(pid: int, measuring: Awaitable[dict], load_pid: int | None = None) -> dict:
+    """Adds the CPU that anything but the server tree, this client and its load child used
+    meanwhile, and the hypervisor's steal: with sub-millisecond calls on 2 cores, either one
+    skews the figures."""
+    frontend = psutil.Process(pid)
+    clients = [psutil.Process(), *([psutil.Process(load_pid)] if load_pid else [])]
+    before, clients_before, (busy_before, steal_before) = (
         common.cpu_snapshot(frontend),
-        common.cpu_s(client),
+        sum(common.cpu_s(c) for c in clients),
         common.machine_cpu_s(),
     )
     result = await measuring
     cpu = common.cpu_snapshot(frontend).minus(before)
-    ours = cpu.frontend_s + cpu.engine_s + cpu.helper_s + common.cpu_s(client) - client_before
+    ours = cpu.frontend_s + cpu.engine_s + cpu.helper_s + sum(common.cpu_s(c) for c in clients) - clients_before
     busy, steal = common.machine_cpu_s()
     return {
         **result,
@@ -142,40 +149,47 @@ async def grpc_system(cmd: list[str], port: int, log_path: Path, args: argparse.
         async def floor() -> None:
             await health.Check(health_pb2.HealthCheckRequest(service=""))
 
-        async with generation_load(port, args.load_streams):
-            return await with_foreign_cpu(proc.pid, measure(is_paused, pause, resume, floor, args))
+        async with generation_load(port, args.load_streams, log_path.with_suffix(".load.log")) as load_pid:
+            return await with_foreign_cpu(proc.pid, measure(is_paused, pause, resume, floor, args), load_pid)
 
 
 @contextlib.asynccontextmanager
-async def generation_load(port: int, streams: int) -> AsyncIterator[None]:
-    """`streams` clients generating all along (on a channel of their own); a request the
-    pause aborts is followed by the next one. Nothing when `streams` is 0."""
+async def generation_load(port: int, streams: int, log_path: Path) -> AsyncIterator[int | None]:
+    """`streams` clients generating all along, in a process of their own: in the measuring
+    client's event loop their messages would queue ahead of the timed replies (that was the
+    pause's 270 ms p99 tail here, not the server). Nothing when `streams` is 0."""
+    if not streams:
+        yield None
+        return
+    cmd = [sys.executable, __file__, "--load-child", str(port), "--load-streams", str(streams)]
+    async with common.server(cmd, log_path) as proc:
+        await asyncio.sleep(1.0)
+        if proc.returncode is not None:
+            raise RuntimeError(f"the load child exited with {proc.returncode}:\n{common.tail(log_path)}")
+        yield proc.pid
+
+
+async def load_child(port: int, streams: int) -> None:
+    """Generates on `streams` streams until killed; a request the pause aborts is followed by
+    the next one."""
     import grpc
 
     from rlserve.api.vllm import inference_pb2_grpc
     from rlserve.sdk.client import generate_request
 
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    inference = inference_pb2_grpc.InferenceStub(channel)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        inference = inference_pb2_grpc.InferenceStub(channel)
 
-    async def stream(i: int) -> None:
-        n = 0
-        while True:
-            request = generate_request(f"Story {i}-{n}:", max_new_tokens=64, temperature=0.0, ignore_eos=True)
-            with contextlib.suppress(grpc.RpcError):
-                async for _ in inference.GenerateStream(request):
-                    pass
-            n += 1
+        async def stream(i: int) -> None:
+            n = 0
+            while True:
+                request = generate_request(f"Story {i}-{n}:", max_new_tokens=64, temperature=0.0, ignore_eos=True)
+                with contextlib.suppress(grpc.RpcError):
+                    async for _ in inference.GenerateStream(request):
+                        pass
+                n += 1
 
-    tasks = [asyncio.ensure_future(stream(i)) for i in range(streams)]
-    try:
-        await asyncio.sleep(1.0 if streams else 0)
-        yield
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await channel.close()
+        await asyncio.gather(*(stream(i) for i in range(streams)))
 
 
 async def http_system(cmd: list[str], port: int, log_path: Path, args: argparse.Namespace) -> dict:
@@ -351,7 +365,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="rlserve only: this many streams generate throughout the measurement (the pause aborts them)",
     )
+    p.add_argument(
+        "--pair-interval-ms",
+        type=float,
+        default=200.0,
+        help="with --load-streams: the time between one pause+resume pair and the next (the load generates)",
+    )
     p.add_argument("--engine-client-child", default="", help=argparse.SUPPRESS)
+    p.add_argument("--load-child", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(args.systems) - set(SYSTEMS)
@@ -364,6 +385,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 if __name__ == "__main__":
     cli_args = parse_args()
+    if cli_args.load_child:
+        asyncio.run(load_child(cli_args.load_child, cli_args.load_streams))
+        sys.exit()
     if cli_args.engine_client_child:
         import uvloop  # as `rlserve serve` runs its loop
 

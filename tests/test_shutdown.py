@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,6 +90,9 @@ async def test_sigterm_to_the_whole_process_group_drains_in_flight_streams(tiny_
         # stopped, used to log the engine's death with a traceback.
         log = proc.stderr.read().decode()
         assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+        # Start-up's heap was frozen once serving: a full collection no longer walks it.
+        frozen = re.search(r"(\d+) start-up objects frozen", log)
+        assert frozen and int(frozen[1]) > 100_000, log[-3000:]
 
 
 async def test_sigterm_ends_held_requests_aborted_before_the_grace_runs_out(tiny_model_dir):

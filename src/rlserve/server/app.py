@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -284,6 +285,7 @@ async def serve(config: ServeConfig) -> None:
         done, _ = await asyncio.wait({engine_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         if engine_task in done:
             engine_task.result()  # an engine that failed to start ends the server with its error
+            freeze_startup_heap()
             await stop_task
         else:
             engine_task.cancel()
@@ -294,6 +296,16 @@ async def serve(config: ServeConfig) -> None:
             orphan_watch.cancel()
         logger.info("shutting down: draining in-flight requests for up to %.1f s", config.shutdown_grace_s)
         await server.stop()
+
+
+def freeze_startup_heap() -> None:
+    """Moves what start-up allocated (vLLM, torch, the tokenizer: about a million objects) out
+    of the collector's reach. Unfrozen, each full collection while serving walks all of it and
+    stops the event loop for 0.3-0.4 s on two cores (every call in flight waits); frozen, it
+    walks only what serving allocated. vLLM's engine core does the same to its own heap."""
+    gc.collect()
+    gc.freeze()
+    logger.info("%d start-up objects frozen out of the garbage collector's reach", gc.get_freeze_count())
 
 
 def _stop_on_signals(stop: asyncio.Event, on_hangup: Callable[[], None]) -> None:
@@ -348,6 +360,7 @@ async def _follow(config: ServeConfig, client: FrontendClient, leader_path: str,
         )
         await server.start()
         await server.attach_follower(engine, link)
+        freeze_startup_heap()
         link.ready()
         await stop.wait()
     finally:
