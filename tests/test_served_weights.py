@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 import torch
 import worker_faults
-from worker_faults import fail_next_load, fail_next_prepare
+from worker_faults import fail_next_load, fail_next_prepare, slow_next_digest
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
@@ -267,6 +267,26 @@ async def test_a_sync_leaves_no_tensor_for_the_garbage_collector(s, wt_engine, t
     finally:
         (left,) = await wt_engine.llm.collective_rpc(_garbage_tensor_bytes)
     assert left == 0
+
+
+async def test_a_read_back_slower_than_a_plain_call_still_verifies_the_sync(s, wt_engine, tiny_model_dir):
+    """The digests after the commit are read back from the kernels, work of the model's size:
+    the SDK waits for them as for a chunk, not as for a plain call (it reported a committed
+    sync as failed, "digests cannot be read: Deadline Exceeded", on a slow CPU)."""
+    weights = perturbed(tiny_model_dir, seed=81)
+
+    def sync() -> object:
+        with Client(s.target) as client:
+            weight_sync = WeightSync(client, timeout_s=10.0, rpc_timeout_s=2.0)
+            try:
+                return weight_sync.sync(weights, "slow-read-back")
+            finally:
+                weight_sync.close()
+
+    await wt_engine.llm.collective_rpc(slow_next_digest)
+    stats = await asyncio.to_thread(sync)
+    assert stats.weight_version == "slow-read-back" and stats.checksum == (await served(s)).overall
+    assert dict((await served(s)).per_tensor) == digests_of(weights)
 
 
 def _patch_syncs(target: str, steps: list[tuple[dict, str]]) -> list:

@@ -36,3 +36,20 @@ def fail_next_prepare(worker) -> None:
         return load(self, weights)
 
     cls.load_weights = failing
+
+
+def slow_next_digest(worker) -> None:
+    """The next read-back of the served weights takes 3 s longer, once (as a large model's
+    does on a slow CPU: a minute for SmolLM2 in bf16 without native bf16)."""
+    import time
+
+    from rlserve.worker.served import ServedWeights
+
+    advance = ServedWeights.advance
+
+    def slow(self, budget_s):
+        ServedWeights.advance = advance
+        time.sleep(3.0)
+        return advance(self, budget_s)
+
+    ServedWeights.advance = slow

@@ -263,12 +263,15 @@ class SyncProtocol:
         """The digests every committed member serves, read back from its model: a tensor that
         did not arrive, was loaded wrongly or is computed with a stale kernel shows up here."""
         committed = [m for m in members if report.outcomes[m.name] == COMMITTED]
-        sums = each(
-            committed, self._call("GetWeightChecksum", lifecycle_pb2.GetWeightChecksumRequest(), lifecycle=True)
-        )
+        # The server reads back every tensor the commit changed, as its kernels compute it:
+        # work of the model's size, like a chunk's (a minute for SmolLM2 in bf16 on a CPU
+        # without native bf16), not a plain call's.
+        deadline_s = step_timeout_s(self._timeout_s, sum(c.num_bytes for c in report.chunks))
+        checksum = lifecycle_pb2.GetWeightChecksumRequest()
+        sums = each(committed, self._call("GetWeightChecksum", checksum, lifecycle=True, timeout_s=deadline_s))
         for name, served in sums.items():
             if isinstance(served, BaseException):
-                report.outcomes[name] = Outcome.of(served).at("its digests cannot be read")
+                report.outcomes[name] = Outcome.of(served).at("committed, but its digests could not be read")
                 continue
             report.served[name] = served
             wrong = sorted(
