@@ -6,9 +6,10 @@ every layer when the model loads). The model's own `load_weights` fills the shad
 bucket, run on a shadow of the whole module tree, so checkpoint names, fusion (q/k/v into
 qkv_proj) and padding stay vLLM's code. A layer whose checkpoint tensors have all arrived is
 processed at once (its quant method's post-load step; on CPU that packs the GEMM kernel)
-while later buckets are still on the wire. The commit only swaps: processed tensors are copied
-into the served tensors' storage where shapes agree (references held elsewhere stay valid),
-and the attributes processing set (the CPU kernel) are moved onto the served module. A tied
+while later buckets are still on the wire. The commit only swaps: a processed CPU tensor
+replaces the served one that only its module holds; one held elsewhere too (a tied head), or
+on a GPU (a captured graph keeps its address), is copied into the served storage instead; and
+the attributes processing set (the CPU kernel) are moved onto the served module. A tied
 head (an lm_head that serves the embedding's weight) is processed from the embedding's new
 weight.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import sys
 from collections.abc import Mapping
 from types import MethodType
 from typing import Any
@@ -236,6 +238,15 @@ def _like(
     return vllm_compat.restore_layer_refs(tensor, shadow)
 
 
+def _bound_to(tensor: torch.Tensor, shadow: torch.nn.Module, live: torch.nn.Module) -> torch.Tensor:
+    """`tensor`, its methods bound to `shadow` (its weight loader) bound to `live`: once
+    served it is loaded into as the served module's own, by the next update's shadow too."""
+    for key, value in list(vars(tensor).items()):
+        if isinstance(value, MethodType) and value.__self__ is shadow:
+            vars(tensor)[key] = value.__func__.__get__(live)
+    return tensor
+
+
 def _fill_unloaded(shadow: torch.nn.Module, live: torch.nn.Module, layer: str) -> None:
     """A tensor of a complete layer that no checkpoint tensor wrote (a buffer the checkpoint
     does not carry) keeps its served value; one that has none cannot be built."""
@@ -251,20 +262,27 @@ def _fill_unloaded(shadow: torch.nn.Module, live: torch.nn.Module, layer: str) -
 
 
 def _install(live: torch.nn.Module, shadow: torch.nn.Module, copied: set[int]) -> None:
-    """Make `live` serve what `shadow` holds. Copies into the served storage (`copied`: the
-    served tensors written already, a tensor two modules share is written once)."""
+    """Make `live` serve what `shadow` holds. A served CPU tensor that only its module holds
+    is replaced by the shadow's (no copy under the pause); one held elsewhere too (a tied
+    head's, or vLLM's) or on a GPU (a captured graph keeps its address) is written in place,
+    once (`copied`: the served tensors written already)."""
     for kind in TENSOR_TABLES:
         served = table(live, kind)
         for name, new in table(shadow, kind).items():
             old = served.get(name)
             if new is None or new is old:
                 continue
-            if old is not None and (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device):
+            # 3: the table's reference, `old` and getrefcount's own argument.
+            if (
+                old is not None
+                and (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device)
+                and (old.device.type != "cpu" or sys.getrefcount(old) > 3)
+            ):
                 if id(old) not in copied:
                     old.data.copy_(new)
                     copied.add(id(old))
             else:
-                served[name] = new
+                served[name] = _bound_to(new, shadow, live)
     for key, value in shadow.__dict__.items():
         if key not in MODULE_TABLES and live.__dict__.get(key, _MISSING) is not value:
             live.__dict__[key] = value
