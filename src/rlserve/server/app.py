@@ -299,7 +299,7 @@ async def serve(config: ServeConfig) -> None:
 
 
 def freeze_startup_heap() -> None:
-    """Moves what start-up allocated (vLLM, torch, the tokenizer: about a million objects) out
+    """Moves what start-up allocated (vLLM, torch, the tokenizer: about 680,000 objects) out
     of the collector's reach. Unfrozen, each full collection while serving walks all of it and
     stops the event loop for 0.3-0.4 s on two cores (every call in flight waits); frozen, it
     walks only what serving allocated. vLLM's engine core does the same to its own heap."""

@@ -232,18 +232,16 @@ def _like(
     tensor = torch.empty_strided(tuple(template.size()), tuple(template.stride()), dtype=template.dtype, device=device)
     tensor.__class__ = template.__class__
     tensor.__dict__ = dict(template.__dict__)
-    for key, value in tensor.__dict__.items():
-        if isinstance(value, MethodType) and value.__self__ is live:
-            tensor.__dict__[key] = value.__func__.__get__(shadow)
-    return vllm_compat.restore_layer_refs(tensor, shadow)
+    return vllm_compat.restore_layer_refs(_bound_to(tensor, live, shadow), shadow)
 
 
-def _bound_to(tensor: torch.Tensor, shadow: torch.nn.Module, live: torch.nn.Module) -> torch.Tensor:
-    """`tensor`, its methods bound to `shadow` (its weight loader) bound to `live`: once
-    served it is loaded into as the served module's own, by the next update's shadow too."""
+def _bound_to(tensor: torch.Tensor, old: torch.nn.Module, new: torch.nn.Module) -> torch.Tensor:
+    """`tensor`, its methods bound to `old` (its weight loader) bound to `new`: a shadow's
+    tensor loads into the shadow, and once served into the served module (by the next
+    update's shadow too)."""
     for key, value in list(vars(tensor).items()):
-        if isinstance(value, MethodType) and value.__self__ is shadow:
-            vars(tensor)[key] = value.__func__.__get__(live)
+        if isinstance(value, MethodType) and value.__self__ is old:
+            vars(tensor)[key] = value.__func__.__get__(new)
     return tensor
 
 
