@@ -81,7 +81,8 @@ def receive(group: GlooGroup, request: dict[str, Any], landing: torch.Tensor, so
         checksums = []
         for index, offset in bucket.placements:
             meta = info.tensors[index]
-            checksums.append(tensor_checksum(wire_view(buffer[offset : offset + meta.num_bytes], meta)))
+            landed = wire_view(buffer[offset : offset + meta.num_bytes], meta)
+            checksums.append(tensor_checksum(landed, expect=meta.checksum))
         sock.sendall(json.dumps({"ok": True, "go": True, "bucket": i, "checksums": checksums}).encode() + b"\n")
     return {"ok": True, "go": True, "done": True}
 

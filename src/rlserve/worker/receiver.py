@@ -385,7 +385,7 @@ def _patched(
             tensor = patch.apply(base if base is not None else update.served_value(name), blob, meta.num_changed)
         except ValueError as e:
             raise WorkerError(ErrorCode.INVALID_INFO, f"{name}: {e}") from e
-        if tensor_checksum(tensor) != meta.checksum:
+        if tensor_checksum(tensor, expect=meta.checksum) != meta.checksum:
             raise WorkerError(
                 ErrorCode.CHECKSUM_MISMATCH,
                 f"{name}: the patched tensor is not the trainer's (the patch was made on other weights than served)",

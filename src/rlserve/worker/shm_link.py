@@ -5,11 +5,16 @@ that refuses the chunk, not a SIGBUS that kills the worker."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
+import xxhash
 
 from rlserve.wire.protocol import ChunkInfo, Deliver, ErrorCode, ProtocolError, WorkerError, tensor_checksum, wire_view
 from rlserve.wire.shm import ShmInit, layout, open_segment
+
+# What a read copies before the digest takes it: small enough to stay in the cache.
+READ_BLOCK_BYTES = 512 * 1024
 
 
 class SegmentFile:
@@ -22,13 +27,16 @@ class SegmentFile:
             raise WorkerError(ErrorCode.INVALID_INFO, str(e)) from e
         self.name, self.size = name, size
 
-    def read_into(self, target: torch.Tensor, offset: int) -> None:
-        """Fill `target` (contiguous uint8) with the segment's bytes from `offset`. Raises
-        WorkerError when the segment ends first (the trainer shrank it)."""
+    def read_into(self, target: torch.Tensor, offset: int, digest: Any = None) -> None:
+        """Fill `target` (contiguous uint8) with the segment's bytes from `offset`; `digest`
+        (an xxh3 hasher), if given, takes them a block at a time as they arrive, while they
+        are still in the cache. Raises WorkerError when the segment ends first (the trainer
+        shrank it)."""
         view = target.numpy().data.cast("B")
         done = 0
         while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], offset + done)
+            end = len(view) if digest is None else min(len(view), done + READ_BLOCK_BYTES)
+            n = os.preadv(self._fd, [view[done:end]], offset + done)
             if n == 0:
                 size = os.fstat(self._fd).st_size
                 raise WorkerError(
@@ -36,6 +44,8 @@ class SegmentFile:
                     f"segment {self.name!r} shrank to {size} bytes while a chunk was read from it "
                     f"(it needs {offset + len(view)})",
                 )
+            if digest is not None:
+                digest.update(view[done : done + n])
             done += n
 
     def close(self) -> None:
@@ -78,13 +88,16 @@ class ShmLink:
             return False
         _, placements = layout(info, self._segment.size)
         for group in _groups(info, placements):
-            first, last = group[0][1], group[-1][1] + info.tensors[group[-1][0]].num_bytes
-            self._segment.read_into(self._landing[first:last], first)
             received: dict[str, torch.Tensor] = {}
+            digests: dict[str, str] = {}
             for index, offset in group:
                 meta = info.tensors[index]
-                received[meta.name] = wire_view(self._landing[offset : offset + meta.num_bytes], meta)
-            deliver(received, {name: tensor_checksum(t) for name, t in received.items()})
+                landed = self._landing[offset : offset + meta.num_bytes]
+                raw = xxhash.xxh3_128()
+                self._segment.read_into(landed, offset, raw)
+                received[meta.name] = wire_view(landed, meta)
+                digests[meta.name] = tensor_checksum(received[meta.name], expect=meta.checksum, raw=raw.hexdigest())
+            deliver(received, digests)
         return True
 
     def close(self) -> None:
