@@ -178,6 +178,9 @@ class RlserveWorkerExtension:
 
 
 def _in_thread(name: str, notifier: Notifier, op: str, notify_address: str, work: Callable[[], Reply]) -> None:
+    # The thread stays on the worker's core(s), where vLLM pinned the worker: there the main
+    # thread's spin after each message it reads yields the core to it; on another core the
+    # two contend for the GIL, and a chunk took 2-5x as long (docs/performance.md).
     def run() -> None:
         try:
             reply = work()
