@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import http.client
 import inspect
 import json
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,6 +44,27 @@ from rlserve.wire.protocol import ChunkInfo, TensorMeta, tensor_checksum
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 TRAINER = Path(__file__).with_name("trainer_process.py")
 ABORT, WAIT, KEEP = cpb.PAUSE_MODE_ABORT, cpb.PAUSE_MODE_WAIT, cpb.PAUSE_MODE_KEEP
+
+
+@contextlib.contextmanager
+def full_collections() -> Iterator[list[float]]:
+    """The seconds each full garbage collection of this process took inside the block: a
+    latency test's failure says whether one stopped the event loop it measures."""
+    took: list[float] = []
+    started: list[float] = []
+
+    def note(phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                started.append(time.perf_counter())
+            elif started:
+                took.append(time.perf_counter() - started.pop())
+
+    gc.callbacks.append(note)
+    try:
+        yield took
+    finally:
+        gc.callbacks.remove(note)
 
 
 def long_request(prompt: str = "Tell me a long story", max_new_tokens: int = 200, **kw) -> pb.GenerateRequest:

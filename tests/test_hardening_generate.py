@@ -20,7 +20,19 @@ from rlserve.api.vllm import inference_pb2_grpc
 from rlserve.config import RequestLimits, ServeConfig
 from rlserve.sdk.client import generate_request
 
-from helpers import ABORT, KEEP, WAIT, eventually, expect, long_request, pause, read_rest, serving, wait_for_state
+from helpers import (
+    ABORT,
+    KEEP,
+    WAIT,
+    eventually,
+    expect,
+    full_collections,
+    long_request,
+    pause,
+    read_rest,
+    serving,
+    wait_for_state,
+)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 LIMITS = RequestLimits()
@@ -179,17 +191,18 @@ async def test_is_paused_stays_fast_while_huge_prompts_are_tokenized(inference, 
     text = "hello world, this is a fairly long prompt with words. " * (LIMITS.max_prompt_text_bytes // 56)
     huge = [asyncio.ensure_future(inference.Generate(generate_request(text, max_new_tokens=2))) for _ in range(3)]
     latencies = []
-    while not all(h.done() for h in huge):  # only while they are being processed
-        t0 = time.perf_counter()
-        await control.IsPaused(cpb.IsPausedRequest())
-        latencies.append(time.perf_counter() - t0)
+    with full_collections() as collections:
+        while not all(h.done() for h in huge):  # only while they are being processed
+            t0 = time.perf_counter()
+            await control.IsPaused(cpb.IsPausedRequest())
+            latencies.append(time.perf_counter() - t0)
     assert len(latencies) >= 20
     for h in huge:
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await h
         assert e.value.code() == INVALID and "prompt" in e.value.details(), "longer than the 512-token context"
     latencies.sort()
-    assert latencies[int(len(latencies) * 0.99)] < 0.1, latencies[-5:]
+    assert latencies[int(len(latencies) * 0.99)] < 0.1, f"slowest {latencies[-5:]}, full collections {collections}"
 
 
 # Held and draining requests --------------------------------------------------------------
