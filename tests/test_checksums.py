@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import xxhash
 
 from rlserve.sdk.plan import plan_sync
 from rlserve.sdk.senders import ShmSender
@@ -74,6 +75,15 @@ def test_the_shm_link_digests_what_it_copied_block_by_block(monkeypatch):
         offset = dict((chunk.tensors[i].name, at) for i, at in shm.layout(chunk, sender.capacity)[1])["b"]
         sender.segment.bytes[offset + 5] ^= 0x40
         link = ShmLink.open(ShmInit.parse(sender.init_info(), 10.0))
+        # The hash taken while reading is the copy's bytes' hash (else every tensor would
+        # silently fall back to the full rule): checked on every call the link makes.
+        streamed: list[bool] = []
+
+        def checked(tensor, expect=None, raw=None):
+            streamed.append(raw == xxhash.xxh3_128_hexdigest(tensor.contiguous().view(torch.uint8).numpy()))
+            return tensor_checksum(tensor, expect=expect, raw=raw)
+
+        monkeypatch.setattr(shm_link, "tensor_checksum", checked)
         sender.initialized()
         got: dict[str, str] = {}
         copies: dict[str, torch.Tensor] = {}
@@ -86,6 +96,7 @@ def test_the_shm_link_digests_what_it_copied_block_by_block(monkeypatch):
         link.close()
     finally:
         sender.close()
+    assert streamed == [True] * 3
     sent = {m.name: m.checksum for m in chunk.tensors}
     assert got["a"] == sent["a"] and got["c"] == sent["c"]
     assert got["b"] != sent["b"] and got["b"] == tensor_checksum(copies["b"])

@@ -345,15 +345,18 @@ def tensor_checksum(tensor: Any, expect: str | None = None, raw: str | None = No
     answer, at a third of the cost of adding +0.0 (which allocates and, without native
     bf16, converts). Otherwise the full digest is computed: bytes with a -0.0 match still,
     other bytes do not."""
+    t = tensor.detach().contiguous()
+    if not t.is_floating_point():
+        return raw or _bytes_digest(t)
+    if expect is not None and (raw or _bytes_digest(t)) == expect:
+        return expect
+    return _bytes_digest(t + 0.0)
+
+
+def _bytes_digest(t: Any) -> str:
+    """xxh3-128 of a contiguous CPU tensor's bytes, as they are."""
     import torch
 
-    t = tensor.detach().contiguous()
-    if expect is not None or not t.is_floating_point():
-        if raw is None:
-            raw = xxhash.xxh3_128_hexdigest(memoryview(t.view(-1).view(torch.uint8).numpy()))
-        if raw == expect or not t.is_floating_point():
-            return raw
-    t = (t + 0.0).contiguous()
     return xxhash.xxh3_128_hexdigest(memoryview(t.view(-1).view(torch.uint8).numpy()))
 
 

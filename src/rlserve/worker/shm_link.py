@@ -27,16 +27,14 @@ class SegmentFile:
             raise WorkerError(ErrorCode.INVALID_INFO, str(e)) from e
         self.name, self.size = name, size
 
-    def read_into(self, target: torch.Tensor, offset: int, digest: Any = None) -> None:
+    def read_into(self, target: torch.Tensor, offset: int, digest: Any) -> None:
         """Fill `target` (contiguous uint8) with the segment's bytes from `offset`; `digest`
-        (an xxh3 hasher), if given, takes them a block at a time as they arrive, while they
-        are still in the cache. Raises WorkerError when the segment ends first (the trainer
-        shrank it)."""
+        (an xxh3 hasher) takes them a block at a time as they arrive, while they are still in
+        the cache. Raises WorkerError when the segment ends first (the trainer shrank it)."""
         view = target.numpy().data.cast("B")
         done = 0
         while done < len(view):
-            end = len(view) if digest is None else min(len(view), done + READ_BLOCK_BYTES)
-            n = os.preadv(self._fd, [view[done:end]], offset + done)
+            n = os.preadv(self._fd, [view[done : done + READ_BLOCK_BYTES]], offset + done)
             if n == 0:
                 size = os.fstat(self._fd).st_size
                 raise WorkerError(
@@ -44,8 +42,7 @@ class SegmentFile:
                     f"segment {self.name!r} shrank to {size} bytes while a chunk was read from it "
                     f"(it needs {offset + len(view)})",
                 )
-            if digest is not None:
-                digest.update(view[done : done + n])
+            digest.update(view[done : done + n])
             done += n
 
     def close(self) -> None:
