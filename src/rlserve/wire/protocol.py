@@ -344,7 +344,8 @@ def tensor_checksum(tensor: Any, expect: str | None = None, raw: str | None = No
     `expect` they are the bytes the sender digested, with no -0.0 in them: `expect` is the
     answer, at a third of the cost of adding +0.0 (which allocates and, without native
     bf16, converts). Otherwise the full digest is computed: bytes with a -0.0 match still,
-    other bytes do not."""
+    other bytes do not. (A sender that hashed its bytes without the rule gets them taken as
+    the bytes it sent; only the served digest after the commit shows the difference.)"""
     t = tensor.detach().contiguous()
     if not t.is_floating_point():
         return raw or _bytes_digest(t)
