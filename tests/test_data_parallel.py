@@ -34,6 +34,10 @@ from helpers import (
 )
 
 STALL_TIMEOUT_S = 3.0
+# The trainer's own wait for the workers to join: each starts a gloo helper process first
+# (rlserve.worker.gloo_link.START_S), 2.5-3.5 s on an AVX2 EPYC, longer than STALL_TIMEOUT_S.
+# The server caps the workers' deadlines at STALL_TIMEOUT_S all the same.
+RENDEZVOUS_S = 30.0
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -69,7 +73,7 @@ async def test_one_sync_updates_both_engines(dp, tiny_model_dir, tmp_path):
 
 async def test_a_trainer_that_stalls_mid_chunk_with_two_engines(dp, tiny_model_dir):
     digest, tokens = await checksum(dp.lifecycle), await greedy(dp.inference)
-    trainer = HandTrainer(dp.target, timeout_s=STALL_TIMEOUT_S)
+    trainer = HandTrainer(dp.target, timeout_s=RENDEZVOUS_S)
     try:
         await trainer.init(world_size=3)
         await pause(dp.control, KEEP)
