@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -427,6 +428,25 @@ def chunk_of(pairs: list[tuple[str, torch.Tensor]], **override) -> dict:
         tuple(TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_checksum(t)) for n, t in pairs)
     )
     return {**info.to_json(), **override}
+
+
+class ProcessLog:
+    """Where a test's subprocess writes its stderr: a file, never a pipe left unread while it
+    runs (a pipe fills at 64 KiB and blocks the process at its next write: a hang that looks
+    like the process's own). Appended to by the process, read by path."""
+
+    def __init__(self, name: str) -> None:
+        fd, path = tempfile.mkstemp(prefix=f"rlserve-test-{name}-", suffix=".log")
+        os.close(fd)
+        self.path = Path(path)
+        self.file = self.path.open("ab")
+
+    def tail(self, num_chars: int = 3000) -> str:
+        return self.path.read_text(errors="replace")[-num_chars:]
+
+    def close(self) -> None:
+        self.file.close()
+        self.path.unlink(missing_ok=True)
 
 
 def models_listed(port: int) -> bool:

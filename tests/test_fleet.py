@@ -36,6 +36,7 @@ from rlserve.sdk.weight_sync import WeightSync
 from rlserve.wire.protocol import tensor_checksum
 
 from helpers import (
+    ProcessLog,
     checkpoint,
     eventually,
     gloo_config,
@@ -505,16 +506,15 @@ async def test_requests_through_vllm_router_all_end_while_the_fleet_syncs(server
     port = free_port()
     cmd = [str(router), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
            "--prometheus-port", str(free_port()), "--worker-urls", *(f"grpc://{s.target}" for s in servers)]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    log = ProcessLog("router")
+    proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL, stderr=log.file)
     try:
         # Polled from a thread: the router asks the servers, which this loop serves.
         for _ in range(200):
             if proc.poll() is not None or await asyncio.to_thread(models_listed, port):
                 break
             await asyncio.sleep(0.3)
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert proc.poll() is None, log.tail()
         assert await asyncio.to_thread(models_listed, port), "vllm-router did not start"
         model = engine_config.model
         with ThreadPoolExecutor(24) as pool, Fleet([s.target for s in servers], timeout_s=TIMEOUT_S) as fleet:
@@ -534,7 +534,11 @@ async def test_requests_through_vllm_router_all_end_while_the_fleet_syncs(server
                     break
                 await asyncio.sleep(0.1)
             else:
-                pytest.fail(f"{6 - waiting} requests neither done nor held by the paused server")
+                unfinished = sum(not f.done() for f in (*before, *during))
+                pytest.fail(
+                    f"{6 - waiting} requests neither done nor held by the paused server ({unfinished} sent before "
+                    f"it paused not done either); vllm-router said:\n{log.tail()}"
+                )
             await servers[1].control.ResumeGeneration(cpb.ResumeGenerationRequest())
             texts = await asyncio.gather(*before, *during, *held)
         errors = [t for t in texts if t.startswith(("HTTP ", "error: "))]
@@ -542,3 +546,4 @@ async def test_requests_through_vllm_router_all_end_while_the_fleet_syncs(server
     finally:
         proc.terminate()
         proc.wait(10)
+        log.close()

@@ -27,34 +27,39 @@ from rlserve.api.vllm import inference_pb2 as pb
 from rlserve.sdk.client import generate_request
 from rlserve.sdk.launch import free_port
 
-from helpers import KEEP, eventually, kill_tree, long_request, pause, read_rest
+from helpers import KEEP, ProcessLog, eventually, kill_tree, long_request, pause, read_rest
 
 START_S = 180
 
 
 @contextlib.asynccontextmanager
-async def rlserve_process(model: Path, grace_s: float) -> AsyncIterator[tuple[subprocess.Popen, grpc.aio.Channel]]:
-    """A server in a process group of its own (so the test can signal the whole group)."""
+async def rlserve_process(
+    model: Path, grace_s: float
+) -> AsyncIterator[tuple[subprocess.Popen, grpc.aio.Channel, ProcessLog]]:
+    """A server in a process group of its own (so the test can signal the whole group), and
+    its log."""
     port = free_port()
     command = [sys.executable, "-m", "rlserve.cli", "serve", "--model", str(model), "--port", str(port)]
     command += ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", "0.5"]
     command += ["--shutdown-grace-s", str(grace_s)]
-    proc = subprocess.Popen(command, process_group=0, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = ProcessLog("serve")
+    proc = subprocess.Popen(command, process_group=0, stdout=subprocess.DEVNULL, stderr=log.file)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
             deadline = time.monotonic() + START_S
             while True:
-                assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+                assert proc.poll() is None, log.tail()
                 assert time.monotonic() < deadline, "the server did not start"
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=2)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
                         break
                 await asyncio.sleep(0.5)
-            yield proc, channel
+            yield proc, channel, log
     finally:
         kill_tree(proc)
+        log.close()
 
 
 def engine_processes(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -72,7 +77,7 @@ def left_behind(processes: list[psutil.Process], timeout_s: float = 10) -> list[
 
 
 async def test_sigterm_to_the_whole_process_group_drains_in_flight_streams(tiny_model_dir):
-    async with rlserve_process(tiny_model_dir, grace_s=20) as (proc, channel):
+    async with rlserve_process(tiny_model_dir, grace_s=20) as (proc, channel, log):
         inference = inference_pb2_grpc.InferenceStub(channel)
         engine = engine_processes(proc)
         assert engine and all(os.getpgid(p.pid) != proc.pid for p in engine), "the engine has a group of its own"
@@ -84,20 +89,20 @@ async def test_sigterm_to_the_whole_process_group_drains_in_flight_streams(tiny_
         final = rest[-1].outputs.finish_info
         assert tokens == 300 and final.finish_reason == pb.FinishInfo.LENGTH
         assert (await stream.code()) == grpc.StatusCode.OK
-        assert await exited(proc, 30) == 0, proc.stderr.read().decode()[-3000:]
+        assert await exited(proc, 30) == 0, log.tail()
         assert not left_behind(engine)
         # A clean shutdown logs no error: vLLM's output handler, left running while the engine
         # stopped, used to log the engine's death with a traceback.
-        log = proc.stderr.read().decode()
-        assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+        said = log.tail(num_chars=10**7)
+        assert "Traceback" not in said and " ERROR " not in said, said[-3000:]
         # Start-up's heap was frozen once serving: a full collection no longer walks it.
-        frozen = re.search(r"(\d+) start-up objects frozen", log)
-        assert frozen and int(frozen[1]) > 100_000, log[-3000:]
+        frozen = re.search(r"(\d+) start-up objects frozen", said)
+        assert frozen and int(frozen[1]) > 100_000, said[-3000:]
 
 
 async def test_sigterm_ends_held_requests_aborted_before_the_grace_runs_out(tiny_model_dir):
     grace_s = 4.0
-    async with rlserve_process(tiny_model_dir, grace_s=grace_s) as (proc, channel):
+    async with rlserve_process(tiny_model_dir, grace_s=grace_s) as (proc, channel, log):
         inference, control = inference_pb2_grpc.InferenceStub(channel), control_pb2_grpc.ControlStub(channel)
         engine = engine_processes(proc)
         await pause(control, KEEP)
@@ -108,7 +113,7 @@ async def test_sigterm_ends_held_requests_aborted_before_the_grace_runs_out(tiny
         out = await asyncio.wait_for(held, grace_s + 5)
         assert out.outputs.finish_info.finish_reason == pb.FinishInfo.ABORTED
         assert time.monotonic() - t0 < grace_s, "ended before the grace period ran out"
-        assert await exited(proc, 30) == 0, proc.stderr.read().decode()[-3000:]
+        assert await exited(proc, 30) == 0, log.tail()
         assert not left_behind(engine)
         with pytest.raises(grpc.aio.AioRpcError):
             await control.ResumeGeneration(cpb.ResumeGenerationRequest(), timeout=2)
@@ -117,7 +122,7 @@ async def test_sigterm_ends_held_requests_aborted_before_the_grace_runs_out(tiny
 async def test_a_server_killed_outright_leaves_no_engine_behind(tiny_model_dir):
     """SIGKILL to the server alone (an OOM kill, `kill -9`): nothing can run in it, so its
     engine core notices it is gone (rlserve's vLLM plugin) and shuts down with its workers."""
-    async with rlserve_process(tiny_model_dir, grace_s=5) as (proc, _):
+    async with rlserve_process(tiny_model_dir, grace_s=5) as (proc, _, _log):
         engine = engine_processes(proc)
         assert any("EngineCor" in p.name() for p in engine)
         proc.kill()

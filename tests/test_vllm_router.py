@@ -24,7 +24,7 @@ from rlserve.api.vllm import inference_pb2 as pb
 from rlserve.config import ServeConfig
 from rlserve.sdk.launch import free_port
 
-from helpers import KEEP, eventually, models_listed, pause, serving
+from helpers import KEEP, ProcessLog, eventually, models_listed, pause, serving
 
 ROUTER = Path(__file__).resolve().parent.parent / ".venv-router" / "bin" / "vllm-router"
 START_S = 60.0
@@ -72,17 +72,18 @@ async def routed(engine, engine_config):
         port = free_port()
         # vllm-router loads the tokenizer named by the request's model: ask by the directory.
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        log = ProcessLog("router")
         proc = subprocess.Popen(
             [str(ROUTER), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", f"grpc://{s.target}"]
             + ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
             env=env,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=log.file,
         )
         try:
             deadline = time.monotonic() + START_S
             while True:
-                assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+                assert proc.poll() is None, log.tail()
                 if await asyncio.to_thread(models_listed, port):  # the server shares this loop
                     break
                 assert time.monotonic() < deadline, "vllm-router did not start"
@@ -91,6 +92,7 @@ async def routed(engine, engine_config):
         finally:
             proc.terminate()
             proc.wait(10)
+            log.close()
 
 
 async def direct(s, ids: list[int], max_tokens: int) -> str:
