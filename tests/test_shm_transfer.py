@@ -47,8 +47,8 @@ KEEP = cpb.PAUSE_MODE_KEEP
 
 @pytest_asyncio.fixture(scope="module")
 async def shm_engine(engines):
-    async with engines.own(weight_transfer_backend="rlserve_shm") as adapter:
-        yield adapter
+    """The session's shm engine (test_trl's too)."""
+    return await engines.get(weight_transfer_backend="rlserve_shm")
 
 
 @pytest_asyncio.fixture(scope="module")
