@@ -245,6 +245,9 @@ async def test_a_refusal_before_the_vote_ends_the_others_collective_at_once(serv
     a, b = servers
     lossy = Client(b.target, channel=grpc.intercept_channel(grpc.insecure_channel(b.target), _LoseUpdateWeights()))
     with Fleet([Client(a.target), lossy], timeout_s=TIMEOUT_S) as fleet:
+        # The rendezvous first, outside the bound: each worker starts a gloo helper process as
+        # it joins, seconds on two cores (8.9 s in all once in a full run here).
+        await asyncio.to_thread(fleet.init, require_same_weights=False)
         t0 = time.monotonic()
         with pytest.raises(FleetSyncError) as e:
             await asyncio.to_thread(fleet.sync, perturbed(tiny_model_dir, seed=15), "never")
