@@ -441,8 +441,11 @@ class ProcessLog:
         self.path = Path(path)
         self.file = self.path.open("ab")
 
+    def text(self) -> str:
+        return self.path.read_text(errors="replace")
+
     def tail(self, num_chars: int = 3000) -> str:
-        return self.path.read_text(errors="replace")[-num_chars:]
+        return self.text()[-num_chars:]
 
     def close(self) -> None:
         self.file.close()
