@@ -502,13 +502,14 @@ def _completion(port: int, model: str, i: int) -> str:
 
 async def test_requests_through_vllm_router_all_end_while_the_fleet_syncs(servers, tiny_model_dir, engine_config):
     """vllm-router in front of both servers while `Fleet` syncs them: a paused server holds
-    what the router sends it (the router does not look at health; it round-robins over its
-    workers) and runs it at resume, so every request ends with a completion."""
+    what the router sends it (the router does not look at health; told to round-robin, it
+    sends every other request there) and runs it at resume, so every request ends with a
+    completion."""
     router = Path(__file__).resolve().parent.parent / ".venv-router" / "bin" / "vllm-router"
     assert router.exists(), "vllm-router is not installed: run `make install`"
     port = free_port()
     cmd = [str(router), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-           "--prometheus-port", str(free_port()), "--worker-urls", *(f"grpc://{s.target}" for s in servers)]  # fmt: skip
+           "--prometheus-port", str(free_port()), "--policy", "round_robin", "--worker-urls", *(f"grpc://{s.target}" for s in servers)]  # fmt: skip
     log = ProcessLog("router")
     proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL, stderr=log.file)
     try:
@@ -520,7 +521,9 @@ async def test_requests_through_vllm_router_all_end_while_the_fleet_syncs(server
         assert proc.poll() is None, log.tail()
         assert await asyncio.to_thread(models_listed, port), "vllm-router did not start"
         model = engine_config.model
-        with ThreadPoolExecutor(24) as pool, Fleet([s.target for s in servers], timeout_s=TIMEOUT_S) as fleet:
+        # A thread per request: the held ones must go out while the earlier ones still run (a
+        # KEEP pause freezes those on the paused server too, until the resume below).
+        with ThreadPoolExecutor(30) as pool, Fleet([s.target for s in servers], timeout_s=TIMEOUT_S) as fleet:
             loop = asyncio.get_running_loop()
             before = [loop.run_in_executor(pool, _completion, port, model, i) for i in range(12)]
             await asyncio.sleep(0.2)
