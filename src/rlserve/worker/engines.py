@@ -17,6 +17,7 @@ from rlserve.config import DEFAULT_TRANSFER_TIMEOUT_S
 from rlserve.wire.manifest import read_manifest
 from rlserve.wire.protocol import ChunkInfo, InitInfo, ProtocolError
 from rlserve.wire.shm import ShmInit
+from rlserve.worker.gloo_link import SPARE
 from rlserve.worker.receiver import Receiver
 from rlserve.worker.served import ServedWeights
 from rlserve.worker.shadow import ShadowUpdate
@@ -79,6 +80,12 @@ class _RlserveEngine(WeightTransferEngine):  # type: ignore[type-var]  # vLLM bo
 
 class GlooWeightTransferEngine(_RlserveEngine):
     init_info_cls = InitInfo  # type: ignore[assignment]  # as update_info_cls
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        # The first rendezvous finds its helper started. vLLM's shutdown of this engine only
+        # releases the trainer (it may init again): the spare lasts as long as the worker.
+        SPARE.keep()
 
     def parse_transport_init(self, raw: dict[str, Any], max_timeout_s: float) -> InitInfo:
         return InitInfo.parse(raw, max_timeout_s)

@@ -1,6 +1,7 @@
 """The process that holds one worker's gloo membership (see `gloo_link`): `python -m
 rlserve.worker.gloo_helper FD`, where FD is its end of a socket pair with the worker. It
-answers each request with JSON lines: join the trainer's group; vote and receive a chunk into
+says when it has started (a spare starts ahead of its join), then answers each request with
+JSON lines: join the trainer's group; vote and receive a chunk into
 the worker's landing area (mapped once, when the worker names a new one), one line per bucket
 with its digests as soon as it has landed, then a last line; close.
 Everything that can go wrong with the trainer goes wrong here, not in the vLLM worker."""
@@ -38,6 +39,7 @@ def serve(sock: socket.socket) -> None:
     group: GlooGroup | None = None
     landing: torch.Tensor | None = None
     reader = sock.makefile("rb")
+    sock.sendall(b'{"ok": true, "started": true}\n')  # torch is in: a join waits only for the trainer
     while line := reader.readline():
         request = json.loads(line)
         op = request["op"]
@@ -88,4 +90,6 @@ def receive(group: GlooGroup, request: dict[str, Any], landing: torch.Tensor, so
 
 
 if __name__ == "__main__":
-    serve(socket.socket(fileno=int(sys.argv[1])))
+    # The worker went away: with a line of ours unread (a spare's "started"), its end resets.
+    with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+        serve(socket.socket(fileno=int(sys.argv[1])))

@@ -8,6 +8,12 @@ trainer's group, votes and receives each chunk straight into shared memory the w
 lands (on another core than the worker's) and reports it at once, so the worker loads bucket
 k while bucket k+1 is on the wire. The two talk over a socket pair, JSON lines. A helper that
 dies or stops answering in time is a broken transport, never a dead worker.
+
+Starting a helper (Python, then torch) takes 2-3 s of a core on a slow CPU: longer than a
+trainer's rendezvous may wait, whose clock starts as it asks. So one helper is kept started
+ahead (`SPARE`): the engine starts the first as it loads, each join takes the one that is
+ready, and the next starts once the link is at rest (its first session over, or the link
+closed), not during the sync that usually follows an init.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from typing import Any
@@ -38,8 +45,57 @@ from rlserve.wire.protocol import (
 
 # Margin for the helper's own deadlines to fire first and report what went wrong.
 ANSWER_MARGIN_S = 5.0
-# Starting Python and importing torch in the helper.
+# Starting Python and importing torch in the helper (when no spare was ready).
 START_S = 60.0
+# How long a closed helper may take to leave its group and exit before it is killed.
+EXIT_S = 2.0
+
+
+class SpareHelper:
+    """One helper started ahead of the join that takes it (about 220 MiB of memory while it
+    waits), once `keep` has asked for one. Thread-safe: a rendezvous that supersedes another
+    may take one meanwhile."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept = False
+        self._ready: GlooLink | None = None
+
+    def keep(self) -> None:
+        """Keep a spare from now on (until `close`). It exits with the worker: its input ends."""
+        with self._lock:
+            self._kept = True
+            self._refill()
+
+    def take(self) -> GlooLink:
+        """The spare, or a fresh helper if none is alive. The next is started by `refill`."""
+        with self._lock:
+            ready, self._ready = self._ready, None
+        if ready is None or not ready.alive():
+            if ready is not None:
+                ready.close()
+            ready = GlooLink.start()
+        ready.spares = self
+        return ready
+
+    def refill(self) -> None:
+        """Start the next spare, if one is kept and none is ready."""
+        with self._lock:
+            if self._kept:
+                self._refill()
+
+    def close(self) -> None:
+        with self._lock:
+            self._kept = False
+            if self._ready is not None:
+                self._ready.close()
+                self._ready = None
+
+    def _refill(self) -> None:
+        if self._ready is None or not self._ready.alive():
+            if self._ready is not None:
+                self._ready.close()
+            self._ready = GlooLink.start()
 
 
 class GlooLink:
@@ -47,32 +103,59 @@ class GlooLink:
         self._process = process
         self._sock = sock
         self._reader = sock.makefile("rb")
+        self._started = False  # the helper said it has imported what it needs
+        self.spares: SpareHelper | None = None  # those it was taken from, refilled at rest
         # Where chunks land: created (and touched) when a chunk first needs more room, its
         # name removed once the helper has mapped it.
         self._landing: torch.Tensor | None = None
 
     @classmethod
-    def join(cls, info: InitInfo, rank: int) -> GlooLink:
-        """Start a helper and join the trainer's group through it; raises WorkerError."""
+    def start(cls) -> GlooLink:
+        """A helper of no group yet. It waits for its first request, and exits when the
+        worker's end of the pair closes."""
         ours, theirs = socket.socketpair()
-        process = subprocess.Popen(
-            [sys.executable, "-m", "rlserve.worker.gloo_helper", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),),
-            stdin=subprocess.DEVNULL,
-            # Its own process group, so a signal meant for the server is not the helper's to act
-            # on; not its own session, which would put it in a new scheduler autogroup, starved
-            # for tens of seconds while the engine keeps both cores busy.
-            process_group=0,
-        )
-        theirs.close()
-        link = cls(process, ours)
-        request = {"op": "join", **info.to_json(), "rank": rank}
         try:
-            link._ask(request, START_S + info.timeout_s)
+            process = subprocess.Popen(
+                [sys.executable, "-m", "rlserve.worker.gloo_helper", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                # Its own process group, so a signal meant for the server is not the helper's to
+                # act on; not its own session, which would put it in a new scheduler autogroup,
+                # starved for tens of seconds while the engine keeps both cores busy.
+                process_group=0,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return cls(process, ours)
+
+    @classmethod
+    def join(cls, info: InitInfo, rank: int) -> GlooLink:
+        """Join the trainer's group through the spare helper; raises WorkerError."""
+        link = SPARE.take()
+        try:
+            link.join_group(info, rank)
         except BaseException:
             link.close()
+            link.rest()
             raise
         return link
+
+    def join_group(self, info: InitInfo, rank: int) -> None:
+        """Join the trainer's group as `rank`, once the helper has started."""
+        self.wait_started()
+        self._ask({"op": "join", **info.to_json(), "rank": rank}, info.timeout_s)
+
+    def wait_started(self) -> None:
+        """Block until the helper has started (up to START_S); raises WorkerError."""
+        if not self._started:
+            self._ask(None, START_S)
+            self._started = True
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
 
     def exchange(
         self,
@@ -131,12 +214,19 @@ class GlooLink:
             pass
         self._reader.close()
         self._sock.close()
-        if self._process.poll() is None:
-            try:
-                self._process.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+        if self.alive():  # leaving its group takes it a while: the caller need not wait
+            threading.Thread(target=self._reap, name="rlserve-helper-reaper", daemon=True).start()
+
+    def rest(self) -> None:
+        """Its session is over, or it was closed: start the next spare helper."""
+        if self.spares is not None:
+            self.spares.refill()
+
+    def _reap(self) -> None:
+        try:
+            self._process.wait(timeout=EXIT_S)
+        except subprocess.TimeoutExpired:
+            self._kill()
 
     def misfit(self, info: ChunkInfo) -> str | None:
         # Buckets of any size go over the wire; a segment offset means nothing here.
@@ -177,3 +267,6 @@ def _views(memory: torch.Tensor, info: ChunkInfo, bucket: Any, start: int) -> di
         begin = start + offset
         out[meta.name] = wire_view(memory[begin : begin + meta.num_bytes], meta)
     return out
+
+
+SPARE = SpareHelper()

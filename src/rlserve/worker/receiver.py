@@ -64,6 +64,10 @@ class Link(Protocol):
 
     def close(self) -> None: ...
 
+    def rest(self) -> None:
+        """A session over it ended, or it was closed: the moment for work it put off (it may
+        be called more than once)."""
+
 
 @dataclass
 class _Session:
@@ -118,15 +122,19 @@ class Receiver:
         On success the new link replaces the old one; on failure the old one stays."""
         link = connect()
         with self._lock:
+            refusal = None
             if op is not None and op != self._init_op:
-                link.close()
-                raise WorkerError(ErrorCode.TIMEOUT, "the rendezvous was cancelled or superseded")
-            if self._receiving:
-                link.close()
-                raise WorkerError(ErrorCode.WRONG_STATE, "a chunk is still being received on the old transport")
-            old, self._link = self._link, link
-            dropped, self._session = self._session, None
-            self._broken, self._init_op, self._timeout_s = "", None, timeout_s
+                refusal = WorkerError(ErrorCode.TIMEOUT, "the rendezvous was cancelled or superseded")
+            elif self._receiving:
+                refusal = WorkerError(ErrorCode.WRONG_STATE, "a chunk is still being received on the old transport")
+            if refusal is None:
+                old, self._link = self._link, link
+                dropped, self._session = self._session, None
+                self._broken, self._init_op, self._timeout_s = "", None, timeout_s
+        if refusal is not None:
+            link.close()
+            link.rest()
+            raise refusal
         self._close_session(dropped)
         if old is not None:
             old.close()
@@ -139,6 +147,7 @@ class Receiver:
             self._close_session(dropped)
         if link is not None:
             link.close()
+            link.rest()
 
     # Session -----------------------------------------------------------------------------
 
@@ -346,7 +355,7 @@ class Receiver:
 
     def _close_session(self, session: _Session | None, committed: bool = False) -> None:
         """A session is over: drop its shadows; keep the bases of what it committed, forget
-        those of what went live half way (in place, or a failed commit)."""
+        those of what went live half way (in place, or a failed commit). The link is at rest."""
         if session is None or session.update is None:
             return
         session.update.close()
@@ -356,6 +365,9 @@ class Receiver:
             elif session.update.went_live:
                 for name in session.names:
                     self._bases.pop(name, None)
+            link = self._link
+        if link is not None:
+            link.rest()
 
     def _claim_session(self) -> _Session:
         with self._lock:

@@ -100,6 +100,9 @@ class ShmLink:
     def close(self) -> None:
         self._segment.close()
 
+    def rest(self) -> None:
+        pass  # nothing put off
+
 
 def _groups(info: ChunkInfo, placements: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     """Consecutive tensors of a chunk in groups of about `bucket_bytes`: delivered one by one."""

@@ -1,0 +1,148 @@
+"""A worker's gloo helpers, without an engine: one is kept started ahead of the join that
+takes it, so a rendezvous waits for the trainer's group only, not for a process to start and
+import torch (2-3 s of a core on a slow CPU: more than a trainer's deadline may be)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+import torch
+
+from rlserve.wire.gloo_group import GlooGroup
+from rlserve.wire.protocol import ChunkInfo, InitInfo, TensorMeta, tensor_checksum
+from rlserve.worker.gloo_link import EXIT_S, GlooLink, SpareHelper
+
+# Shorter than starting a helper takes on the machines this runs on (2.2 s to import torch
+# on an AVX2 EPYC), far longer than joining a group of two on one host.
+RENDEZVOUS_S = 1.0
+
+
+def helpers() -> set[int]:
+    """The pids of this process's gloo helpers."""
+    return {
+        p.pid
+        for p in psutil.Process().children()
+        if p.status() != psutil.STATUS_ZOMBIE and "rlserve.worker.gloo_helper" in p.cmdline()
+    }
+
+
+@pytest.fixture
+def spare():
+    before = helpers()
+    spare = SpareHelper()
+    spare.keep()
+    yield spare
+    spare.close()
+    psutil.wait_procs([psutil.Process(pid) for pid in helpers() - before], timeout=EXIT_S + 5)
+
+
+def test_a_started_helper_joins_a_trainer_whose_deadline_is_shorter_than_its_start(spare):
+    link = spare.take()
+    try:
+        link.wait_started()  # as an idle worker's spare did, long before a trainer asks
+        store = GlooGroup.host_store("127.0.0.1", 0, 2, RENDEZVOUS_S)
+        info = InitInfo("127.0.0.1", store.port, 1, 2, RENDEZVOUS_S)
+        joined: list[BaseException | None] = []
+
+        def worker() -> None:
+            try:
+                link.join_group(info, 1)
+                joined.append(None)
+            except BaseException as e:
+                joined.append(e)
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        trainer = GlooGroup(store, 0, 2, RENDEZVOUS_S)
+        thread.join()
+        assert joined == [None]
+        # The helper is in the group, not merely connected: its refusal reaches the trainer.
+        chunk = ChunkInfo((TensorMeta("w", "float32", (4,), tensor_checksum(torch.ones(4))),))
+        votes = ThreadPoolExecutor(1).submit(trainer.vote, True)
+        assert link.exchange(chunk, False, RENDEZVOUS_S, lambda *_: None) is False
+        assert votes.result() is False
+    finally:
+        link.close()
+
+
+def test_a_take_gets_the_spare_started_ahead_and_the_next_starts_when_the_link_rests(spare):
+    """Not as it is taken: a sync usually follows an init, and starting a helper takes a core
+    for seconds."""
+    (first,) = helpers()
+    link = spare.take()
+    try:
+        assert link.alive()
+        assert helpers() == {first}, "no spare starts while the new link is busy"
+        link.wait_started()
+        link.rest()
+        link.rest()
+        assert len(helpers() - {first}) == 1, "the next spare starts once the link rests, once"
+    finally:
+        link.close()
+    spare.close()
+    gone = psutil.wait_procs([psutil.Process(pid) for pid in helpers()], timeout=EXIT_S + 5)[1]
+    assert not gone, "a closed link's helper and the dropped spare exit"
+
+
+def test_a_spare_that_died_is_replaced_by_a_fresh_helper(spare):
+    (dead,) = helpers()
+    psutil.Process(dead).kill()
+    psutil.Process(dead).wait(10)
+    link = spare.take()
+    try:
+        link.wait_started()
+        assert link.alive()
+    finally:
+        link.close()
+
+
+def test_without_keep_a_take_starts_one_helper_and_no_spare():
+    before = helpers()
+    link = SpareHelper().take()
+    try:
+        assert len(helpers() - before) == 1
+        link.wait_started()
+    finally:
+        link.close()
+
+
+def test_a_closed_link_does_not_wait_for_its_helper_to_leave():
+    """A re-init closes the old link before telling the server it is done: the helper's exit
+    (leaving its group, tearing torch down) happens behind it."""
+    link = GlooLink.start()
+    link.wait_started()
+    pid = next(iter(helpers()))
+    link.close()
+    psutil.Process(pid).wait(EXIT_S + 5)
+
+
+def test_a_spare_exits_with_its_worker_killed_mid_wait():
+    """The worker (here a process of the test's) is killed with its spare waiting and the
+    spare's "started" line unread: the spare exits, quietly, and no helper outlives it."""
+    worker = subprocess.Popen(
+        [sys.executable, "-c", KEEPS_A_SPARE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        spare = psutil.Process(int(worker.stdout.readline()))
+        worker.kill()
+        worker.wait()
+        spare.wait(EXIT_S + 5)
+        assert "Traceback" not in worker.stderr.read()
+    finally:
+        worker.kill()
+
+
+KEEPS_A_SPARE = """
+import time, psutil
+from rlserve.worker.gloo_link import SPARE
+SPARE.keep()
+time.sleep(5)  # started (2-3 s) and said so, unread
+(spare,) = psutil.Process().children()
+print(spare.pid, flush=True)
+time.sleep(60)
+"""
