@@ -24,7 +24,7 @@ import pytest
 import pytest_asyncio
 import torch
 import worker_faults
-from worker_faults import fail_next_load, fail_next_prepare
+from worker_faults import fail_next_load, fail_next_prepare, slow_next_digest
 
 from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.vllm import control_pb2 as cpb
@@ -165,6 +165,18 @@ async def test_init_names_the_server_that_does_not_fit(servers, tiny_model_dir):
         with pytest.raises(FleetError, match=f"{dead}: UNAVAILABLE"):
             await asyncio.to_thread(fleet.init)
     assert (await state(a)).weight_version == "checkpoint"
+
+
+async def test_init_waits_for_digests_as_for_work_of_the_models_size(servers, members, tiny_model_dir):
+    """Each server reads every tensor back through its kernels (a minute for SmolLM2 in bf16
+    on a CPU without native bf16): init waited a plain call's `rpc_timeout_s` for it, and
+    failed with "cannot be digested: DEADLINE_EXCEEDED" where the demo's fleet started."""
+    served_bytes = sum(t.numel() for t in checkpoint(tiny_model_dir).values()) * 4  # float32
+    assert [(await state(s)).weight_bytes for s in servers] == [served_bytes] * 2
+    await members[1].llm.collective_rpc(slow_next_digest)
+    with Fleet([s.target for s in servers], timeout_s=TIMEOUT_S, rpc_timeout_s=2) as fleet:
+        await asyncio.to_thread(fleet.init)
+        assert fleet.servers == tuple(s.target for s in servers)
 
 
 @pytest.mark.parametrize("fault", ["chunk", "prepare"])

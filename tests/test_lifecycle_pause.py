@@ -31,6 +31,7 @@ class DrainingEngine:
     load = None
     monitor = _Monitor()
     weight_dtype = "float32"
+    weight_bytes = 0
     logprobs_mode = "raw_logprobs"
     max_loaded_loras = 0
 

@@ -32,6 +32,7 @@ class SleepCapableEngine:
     transport = None
     monitor = _Monitor()
     weight_dtype = "float32"
+    weight_bytes = 0
     logprobs_mode = "raw_logprobs"
     max_loaded_loras = 0
 

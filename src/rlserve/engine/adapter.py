@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from rlserve.types import (
     ServerInfo,
 )
 from rlserve.wire.manifest import ManifestEntry, lora_files_misfit, read_manifest
+from rlserve.wire.protocol import DTYPE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -339,14 +341,13 @@ class EngineAdapter:
         accepts a misshapen lora_B and fails only when a request uses it). Reads headers
         only; InvalidRequest naming the first misfit."""
         self.require_lora()
-        if self._manifest is None:
-            try:
-                self._manifest = read_manifest(self._config.model)
-            except (OSError, ValueError) as e:
-                raise CapabilityMissing(f"adapters are checked against a safetensors checkpoint: {e}") from e
+        try:
+            manifest = self._checkpoint_manifest()
+        except (OSError, ValueError) as e:
+            raise CapabilityMissing(f"adapters are checked against a safetensors checkpoint: {e}") from e
         lora = self._llm.vllm_config.lora_config
         try:
-            problem = lora_files_misfit(Path(path), self._manifest, lora.max_lora_rank if lora is not None else 0)
+            problem = lora_files_misfit(Path(path), manifest, lora.max_lora_rank if lora is not None else 0)
         except (OSError, ValueError) as e:
             raise InvalidRequest("source_path", f"no readable adapter weights: {e}") from e
         if problem:
@@ -381,6 +382,21 @@ class EngineAdapter:
     def weight_dtype(self) -> str:
         """What the model computes with, e.g. "float32"."""
         return describe.weight_dtype(self._llm.vllm_config)
+
+    @property
+    def weight_bytes(self) -> int:
+        """The checkpoint's tensors in `weight_dtype`, in bytes; 0 when it cannot be read."""
+        try:
+            manifest = self._checkpoint_manifest()
+        except (OSError, ValueError):
+            return 0
+        return sum(math.prod(e.shape) for e in manifest.values()) * DTYPE_BYTES.get(self.weight_dtype, 0)
+
+    def _checkpoint_manifest(self) -> dict[str, ManifestEntry]:
+        """Read on first need (headers only); raises OSError or ValueError."""
+        if self._manifest is None:
+            self._manifest = read_manifest(self._config.model)
+        return self._manifest
 
     def capabilities(self) -> RlCapabilities:
         return describe.capabilities(self._llm.vllm_config, self.transport)

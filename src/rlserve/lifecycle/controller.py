@@ -395,6 +395,7 @@ class LifecycleController:
             capabilities=self._engine.capabilities(),
             recent_mutations=self._owner.audit_log(),
             weight_dtype=self._engine.weight_dtype,
+            weight_bytes=self._engine.weight_bytes,
             logprobs_mode=self._engine.logprobs_mode,
             stages_updates=self._engine.transport is not None and self._engine.transport.stages_updates,
             frontends=self.frontends(),

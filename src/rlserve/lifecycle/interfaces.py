@@ -75,6 +75,9 @@ class ControlledEngine(Protocol):
     def weight_dtype(self) -> str: ...
 
     @property
+    def weight_bytes(self) -> int: ...
+
+    @property
     def logprobs_mode(self) -> str: ...
 
     # LoRA adapters

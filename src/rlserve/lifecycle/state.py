@@ -137,6 +137,7 @@ class LifecycleSnapshot:
     capabilities: RlCapabilities
     recent_mutations: tuple[AuditEntry, ...]
     weight_dtype: str = ""
+    weight_bytes: int = 0
     logprobs_mode: str = ""
     # Updates are built beside the served weights: an abort or failure leaves them intact.
     stages_updates: bool = False

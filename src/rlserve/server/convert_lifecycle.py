@@ -112,6 +112,7 @@ def lifecycle_snapshot(snap: LifecycleSnapshot) -> lifecycle_pb2.LifecycleState:
         msg.engines.add(data_parallel_rank=e.data_parallel_rank, paused=e.is_paused, weight_version=e.weight_version)
     msg.capabilities.CopyFrom(capabilities(snap.capabilities))
     msg.weight_dtype = snap.weight_dtype
+    msg.weight_bytes = snap.weight_bytes
     msg.logprobs_mode = snap.logprobs_mode
     msg.stages_updates = snap.stages_updates
     # A backend that stages updates stages them while generating too (StageWeightUpdate).

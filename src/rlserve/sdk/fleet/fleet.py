@@ -15,7 +15,7 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2
 from rlserve.api.vllm import control_pb2 as cpb
 from rlserve.config import DEFAULT_TRANSFER_TIMEOUT_S
 from rlserve.sdk.client import ChannelCredentials, Client
-from rlserve.sdk.fanout import Member, Outcome, by_name, each, rpc_errors
+from rlserve.sdk.fanout import Member, Outcome, by_name, each, rpc_errors, step_timeout_s
 from rlserve.sdk.fleet.members import (
     Dropped,
     FleetError,
@@ -164,7 +164,7 @@ class Fleet:
         require_same({m.name: infos[m.name].rl_capabilities.weight_transfer_backend for m in members}, "runs backend")
         dtypes = {m.name: states[m.name].weight_dtype for m in members}
         require_same(dtypes, "serves weights in")
-        sums = self._readable_checksums(members)
+        sums = self._readable_checksums(members, states)
         for m in members:
             m.manifest = frozenset(sums[m.name].per_tensor)
         require_same({m.name: names_digest(m.manifest) for m in members}, "serves another checkpoint (tensor names):")
@@ -205,7 +205,7 @@ class Fleet:
         if not self._group.spans(list(self._members), layout) or not all(s.transport_ready for s in states.values()):
             self.init(require_same_weights=False, span=self._group.span_of(layout))
         init_s = time.perf_counter() - t_init
-        self._check_partial(members, {t.name for c in layout for t in c.tensors})
+        self._check_partial(members, states, {t.name for c in layout for t in c.tensors})
         offered = all(s.staged_weight_updates for s in states.values())
         staged = staging(offered, staged, _cannot_stage)
         request = SyncRequest(members, payload, version, mode, verify, found_paused=found_paused, staged=staged)
@@ -230,7 +230,7 @@ class Fleet:
             logger.warning("fleet: committed %r but resume failed on %s", version, stuck)
         return _stats(report, version, members, init_s, found_paused)
 
-    def _check_partial(self, members: list[Member], names: set[str]) -> None:
+    def _check_partial(self, members: list[Member], states: dict[str, Any], names: set[str]) -> None:
         """A sync that leaves tensors out keeps those as each server serves them: only right
         when the servers serve the same weights, and never for a server that just joined."""
         for m in members:
@@ -242,7 +242,7 @@ class Fleet:
                 )
         if all(m.manifest <= names for m in members):
             return
-        sums = self._readable_checksums(members)
+        sums = self._readable_checksums(members, states)
         require_same({n: r.overall for n, r in sums.items()}, "serves other weights (send every tensor), digest")
 
     def _abandoned(self, members: list[Member], abandoned: Abandoned) -> FleetSyncError:
@@ -283,13 +283,13 @@ class Fleet:
             members, lambda m: m.lifecycle.GetState.future(lifecycle_pb2.GetStateRequest(), timeout=self._rpc_timeout_s)
         )
 
-    def _checksums(self, members: list[Member]) -> dict[str, Any]:
+    def _readable_checksums(self, members: list[Member], states: dict[str, Any]) -> dict[str, Any]:
+        """Every member's digests; FleetError naming those whose digests cannot be read. Each
+        server reads every tensor back through its kernels: waited for as work of the
+        model's size (`weight_bytes` in its state), not as a plain call."""
+        deadline_s = step_timeout_s(self._timeout_s, max(states[m.name].weight_bytes for m in members))
         request = lifecycle_pb2.GetWeightChecksumRequest()
-        return each(members, lambda m: m.lifecycle.GetWeightChecksum.future(request, timeout=self._rpc_timeout_s))
-
-    def _readable_checksums(self, members: list[Member]) -> dict[str, Any]:
-        """Every member's digests; FleetError naming those whose digests cannot be read."""
-        sums = self._checksums(members)
+        sums = each(members, lambda m: m.lifecycle.GetWeightChecksum.future(request, timeout=deadline_s))
         unreadable = rpc_errors(sums)
         if unreadable:
             raise FleetError("servers whose weights cannot be digested: " + by_name(unreadable))

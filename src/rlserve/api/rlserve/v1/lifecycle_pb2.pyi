@@ -199,7 +199,7 @@ class AuditEntry(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., operation: _Optional[str] = ..., detail: _Optional[str] = ..., outcome: _Optional[str] = ..., unix_time_s: _Optional[float] = ..., caller: _Optional[str] = ...) -> None: ...
 
 class LifecycleState(_message.Message):
-    __slots__ = ("revision", "pause_phase", "pause_mode", "asleep", "sleep_level", "weights_consistent", "inconsistency_reason", "weight_version", "num_held_requests", "engines", "capabilities", "recent_mutations", "transport_ready", "update_session", "transport_initializing", "insecure_control", "weight_dtype", "stages_updates", "frontends", "num_frontends", "staged_weight_updates", "logprobs_mode")
+    __slots__ = ("revision", "pause_phase", "pause_mode", "asleep", "sleep_level", "weights_consistent", "inconsistency_reason", "weight_version", "num_held_requests", "engines", "capabilities", "recent_mutations", "transport_ready", "update_session", "transport_initializing", "insecure_control", "weight_dtype", "stages_updates", "frontends", "num_frontends", "staged_weight_updates", "logprobs_mode", "weight_bytes")
     REVISION_FIELD_NUMBER: _ClassVar[int]
     PAUSE_PHASE_FIELD_NUMBER: _ClassVar[int]
     PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +222,7 @@ class LifecycleState(_message.Message):
     NUM_FRONTENDS_FIELD_NUMBER: _ClassVar[int]
     STAGED_WEIGHT_UPDATES_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     revision: int
     pause_phase: PausePhase
     pause_mode: _control_pb2.PauseMode
@@ -244,7 +245,8 @@ class LifecycleState(_message.Message):
     num_frontends: int
     staged_weight_updates: bool
     logprobs_mode: str
-    def __init__(self, revision: _Optional[int] = ..., pause_phase: _Optional[_Union[PausePhase, str]] = ..., pause_mode: _Optional[_Union[_control_pb2.PauseMode, str]] = ..., asleep: _Optional[_Iterable[str]] = ..., sleep_level: _Optional[int] = ..., weights_consistent: _Optional[bool] = ..., inconsistency_reason: _Optional[str] = ..., weight_version: _Optional[str] = ..., num_held_requests: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., capabilities: _Optional[_Union[_control_pb2.RlCapabilities, _Mapping]] = ..., recent_mutations: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ..., transport_ready: _Optional[bool] = ..., update_session: _Optional[_Union[WeightUpdateSession, _Mapping]] = ..., transport_initializing: _Optional[bool] = ..., insecure_control: _Optional[bool] = ..., weight_dtype: _Optional[str] = ..., stages_updates: _Optional[bool] = ..., frontends: _Optional[_Iterable[_Union[Frontend, _Mapping]]] = ..., num_frontends: _Optional[int] = ..., staged_weight_updates: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ...) -> None: ...
+    weight_bytes: int
+    def __init__(self, revision: _Optional[int] = ..., pause_phase: _Optional[_Union[PausePhase, str]] = ..., pause_mode: _Optional[_Union[_control_pb2.PauseMode, str]] = ..., asleep: _Optional[_Iterable[str]] = ..., sleep_level: _Optional[int] = ..., weights_consistent: _Optional[bool] = ..., inconsistency_reason: _Optional[str] = ..., weight_version: _Optional[str] = ..., num_held_requests: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., capabilities: _Optional[_Union[_control_pb2.RlCapabilities, _Mapping]] = ..., recent_mutations: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ..., transport_ready: _Optional[bool] = ..., update_session: _Optional[_Union[WeightUpdateSession, _Mapping]] = ..., transport_initializing: _Optional[bool] = ..., insecure_control: _Optional[bool] = ..., weight_dtype: _Optional[str] = ..., stages_updates: _Optional[bool] = ..., frontends: _Optional[_Iterable[_Union[Frontend, _Mapping]]] = ..., num_frontends: _Optional[int] = ..., staged_weight_updates: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightVersionRequest(_message.Message):
     __slots__ = ("weight_version", "expected_weight_version")
