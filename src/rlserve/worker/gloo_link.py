@@ -70,11 +70,9 @@ class SpareHelper:
     def take(self) -> GlooLink:
         """The spare, or a fresh helper if none is alive. The next is started by `refill`."""
         with self._lock:
+            self._refill()
             ready, self._ready = self._ready, None
-        if ready is None or not ready.alive():
-            if ready is not None:
-                ready.close()
-            ready = GlooLink.start()
+        assert ready is not None
         ready.spares = self
         return ready
 
@@ -92,6 +90,7 @@ class SpareHelper:
                 self._ready = None
 
     def _refill(self) -> None:
+        """Under the lock: a live helper ready, started now if there was none."""
         if self._ready is None or not self._ready.alive():
             if self._ready is not None:
                 self._ready.close()
