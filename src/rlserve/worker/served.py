@@ -2,10 +2,11 @@
 
 vLLM fuses checkpoint tensors (q/k/v into qkv_proj, gate/up into gate_up_proj), pads the
 vocabulary, ties the lm_head to the embedding, and on CPU packs each linear layer's weight
-into an opaque GEMM kernel and drops the parameter. A `Site` is one place that serves (a row
-range of) a checkpoint tensor; reading it undoes fusion and padding, and reads a packed layer
-through its own kernel (an identity matrix times W is W exactly), so a digest describes what
-the model computes with, not what was sent. Dense (unquantized) layers with tensor parallel
+into an opaque GEMM kernel and drops the parameter (where it cannot pack, bf16 on a CPU
+without AVX-512 BF16, the kernel computes with the parameter itself). A `Site` is one place
+that serves (a row range of) a checkpoint tensor; reading it undoes fusion and padding, and
+reads a packed layer through its own kernel (an identity matrix times W is W exactly), so a
+digest describes what the model computes with, not what was sent. Dense (unquantized) layers with tensor parallel
 size 1 only; anything else is refused rather than described wrongly.
 """
 
@@ -201,9 +202,13 @@ def _output_sizes(module: torch.nn.Module, num_members: int, module_name: str) -
 
 
 def _read_kernel(module: torch.nn.Module) -> torch.Tensor:
-    """W (out x in) as the layer's kernel computes it: rows of the identity through it."""
+    """W (out x in) as the layer's kernel computes it: the weight it is called with where it
+    computes from that, else rows of the identity through it (in^2 * out multiply-adds: a minute
+    for SmolLM2 in bf16 on a CPU without native bf16, where vLLM does not pack at all)."""
     weight = vllm_compat.kernel_weight(module)
     out_features, in_features = vllm_compat.kernel_shape(module)
+    if weight.shape == (out_features, in_features) and vllm_compat.kernel_computes_with_its_argument(module, weight):
+        return weight.detach()
     result = torch.empty(out_features, in_features, dtype=weight.dtype)
     block = max(1, min(in_features, PROBE_BLOCK_ELEMENTS // max(out_features, in_features)))
     with torch.no_grad():

@@ -233,6 +233,22 @@ def kernel_shape(module: torch.nn.Module) -> tuple[int, int]:
     )
 
 
+def kernel_computes_with_its_argument(module: torch.nn.Module, weight: torch.Tensor) -> bool:
+    """Whether the layer's kernel computes x W^T from the weight it is called with rather than
+    from a packed copy of its own. vLLM falls back to `F.linear` where it cannot pack (bf16 on
+    a CPU without AVX-512 BF16 or AMX), and its forward passes the layer's `weight`: that
+    parameter is then exactly what is served. A unit row through the kernel, once with zeros
+    and once with ones for the weight, tells which: a packed kernel gives its own first column
+    both times, which cannot be all 0 and all 1 at once."""
+    out_features, in_features = weight.shape
+    unit = torch.zeros(1, in_features, dtype=weight.dtype)
+    unit[0, 0] = 1
+    with torch.no_grad():
+        zeros = run_packed_kernel(module, unit, torch.zeros(1, 1, dtype=weight.dtype).expand(out_features, in_features))
+        ones = run_packed_kernel(module, unit, torch.ones(1, 1, dtype=weight.dtype).expand(out_features, in_features))
+    return bool((zeros == 0).all() and (ones == 1).all())
+
+
 def run_packed_kernel(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x W^T as the layer computes it, without bias (read at each call: a commit replaces
     the kernel)."""
