@@ -20,8 +20,10 @@ Each path is warmed up once, then timed --repeats times (median); for the SDK pa
 servers' peak extra resident memory during those syncs is recorded too (shadows or not). The
 last stdout line is one JSON object with seconds per path and the ratios the targets are
 stated in. Each SDK leg says `staged`, `stage_s` (generating meanwhile) and
-`pause_to_resume_s` (generation paused); the staged legs also give the load's tokens/s while
-idle and while a sync stages (trainer, server and load share this machine's cores).
+`pause_to_resume_s` (generation paused), of which `pause_s` is the pause taking effect (the
+engine ends its step in flight first: under load, about one step); the staged legs also give
+the load's tokens/s while idle and while a sync stages (trainer, server and load share this
+machine's cores).
 """
 
 from __future__ import annotations
@@ -247,7 +249,7 @@ def medians(runs: list) -> dict[str, float]:
     """The median seconds of SyncStats runs."""
     return {
         key: median([getattr(r, key) for r in runs])
-        for key in ("transfer_s", "pause_to_resume_s", "prepare_s", "commit_s", "stage_s")
+        for key in ("transfer_s", "pause_to_resume_s", "pause_s", "prepare_s", "commit_s", "stage_s")
     }
 
 

@@ -96,6 +96,7 @@ async def test_a_sync_equals_a_fresh_engine_and_pauses_as_asked(s, tiny_model_di
         stats = await asyncio.to_thread(_sync, s.target, weights, version, staged=staged)
     assert stats.staged is staged and stats.weight_version == version
     assert (stats.stage_s > 0) is staged and stats.pause_to_resume_s > 0
+    assert 0 < stats.pause_s < stats.pause_to_resume_s  # the pause took effect, then the commit
     in_session = [st for st in states if st.HasField("update_session")]
     assert in_session and all(st.update_session.staged is staged for st in in_session)
     receiving = [st for st in in_session if not st.update_session.prepared]

@@ -80,6 +80,9 @@ class SyncReport:
     prepare_s: float
     commit_s: float
     pause_to_resume_s: float
+    # PauseGeneration, until every member had stopped: an engine ends the step in flight
+    # first, so under load this is about one engine step (the floor of pause_to_resume_s).
+    pause_s: float = 0.0
     # Staged: from opening the sessions to the vote, generation going on meanwhile.
     staged: bool = False
     stage_s: float = 0.0
@@ -127,11 +130,14 @@ class SyncProtocol:
             sent, transfer_s, prepare_s = self._staged_up_to_the_vote(sync, members)
             stage_s, t_pause = time.perf_counter() - t_begin, time.perf_counter()
             self._pause_after_the_vote(sync, members)
+            pause_s = time.perf_counter() - t_pause
         else:
             stage_s, t_pause = 0.0, t_begin
-            sent, transfer_s, prepare_s = self._up_to_the_vote(sync, members)
+            replies = self._pause(sync, members)
+            pause_s = time.perf_counter() - t_pause
+            sent, transfer_s, prepare_s = self._up_to_the_vote(sync, members, replies)
         report = self._commit(sync, members, sent, transfer_s, prepare_s)
-        report.staged, report.stage_s = sync.staged, stage_s
+        report.staged, report.stage_s, report.pause_s = sync.staged, stage_s, pause_s
         if sync.verify and sync.verify_while_paused:
             self._verify(members, report)
         to_resume = [m for m in members if report.outcomes[m.name] == COMMITTED and m.name not in sync.found_paused]
@@ -143,11 +149,12 @@ class SyncProtocol:
         report.failed = [m for m in members if report.outcomes[m.name] != COMMITTED]
         return report
 
-    def _up_to_the_vote(self, sync: SyncRequest, members: list[Member]) -> tuple[list[ChunkInfo], float, float]:
-        """Pause, start, chunks, prepare and the vote; any failure abandons the sync (Abandoned).
-        Returns the chunks sent (with their digests), the seconds of the transfer and of the
-        prepare."""
-        replies = self._pause(sync, members)
+    def _up_to_the_vote(
+        self, sync: SyncRequest, members: list[Member], replies: dict[str, Any]
+    ) -> tuple[list[ChunkInfo], float, float]:
+        """After the pause (`replies`, per member): start, chunks, prepare and the vote; any
+        failure abandons the sync (Abandoned). Returns the chunks sent (with their digests),
+        the seconds of the transfer and of the prepare."""
         paused = [m for m in members if not isinstance(replies[m.name], BaseException)]
         ours = [m for m in paused if m.name not in sync.found_paused]
         with self._abandoning(members, ours):

@@ -69,6 +69,9 @@ class SyncStats:
     transfer_s: float
     pause_to_resume_s: float
     checksum: str
+    # PauseGeneration: the server ends the engine step in flight before it stops, so under
+    # load this is about one step, the floor of `pause_to_resume_s`.
+    pause_s: float = 0.0
     # FinishWeightUpdate: the server's commit into the model (and its prefix-cache reset).
     commit_s: float = 0.0
     # PrepareWeightUpdate: the server checks it holds every staged tensor (the vote).
@@ -367,6 +370,7 @@ def _stats(report: SyncReport, version: str, served: str | None, resumed: bool) 
         num_chunks=len(report.chunks),
         transfer_s=report.transfer_s,
         pause_to_resume_s=report.pause_to_resume_s,
+        pause_s=report.pause_s,
         commit_s=report.commit_s,
         prepare_s=report.prepare_s,
         checksum=served if served is not None else combined_checksum(report.sent),

@@ -338,6 +338,7 @@ def _stats(
         prepare_s=report.prepare_s,
         commit_s=report.commit_s,
         pause_to_resume_s=report.pause_to_resume_s,
+        pause_s=report.pause_s,
         checksum=combined_checksum(report.sent),
         left_paused=tuple(sorted(found_paused)),
         staged=report.staged,

@@ -51,6 +51,8 @@ class FleetSyncStats:
     commit_s: float
     pause_to_resume_s: float
     checksum: str
+    # PauseGeneration on every server, until the slowest had ended its engine step in flight.
+    pause_s: float = 0.0
     # Servers someone else had paused when the sync began: left paused, as found.
     left_paused: tuple[str, ...] = ()
     # Staged: every server received and prepared while generating (`stage_s`), and was
