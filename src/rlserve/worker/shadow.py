@@ -150,10 +150,11 @@ class ShadowUpdate:
 
     def _install(self, layers: list[str]) -> None:
         copied: set[int] = set()
+        together = _replaced_together([(self._live[layer], self._ready[layer]) for layer in layers])
         self._installed = self._installed or bool(layers)
         try:
             for layer in layers:
-                _install(self._live[layer], self._ready.pop(layer), copied)
+                _install(self._live[layer], self._ready.pop(layer), copied, together)
         finally:
             if layers:
                 self._served.invalidate()
@@ -259,27 +260,50 @@ def _fill_unloaded(shadow: torch.nn.Module, live: torch.nn.Module, layer: str) -
             tensors[name] = served.detach().clone()
 
 
-def _install(live: torch.nn.Module, shadow: torch.nn.Module, copied: set[int]) -> None:
-    """Make `live` serve what `shadow` holds. A served CPU tensor that only its module holds
-    is replaced by the shadow's (no copy under the pause); one held elsewhere too (a tied
-    head's, or vLLM's) or on a GPU (a captured graph keeps its address) is written in place,
-    once (`copied`: the served tensors written already)."""
+def _replaced_together(pairs: list[tuple[torch.nn.Module, torch.nn.Module]]) -> dict[int, int]:
+    """Per served tensor (by id) that these (live, shadow) modules replace with one same new
+    tensor wherever they hold it: in how many of their tables it sits. A tied lm_head and its
+    embedding serve one tensor, and both get the shadow embedding's."""
+    holders: dict[int, int] = {}
+    replacement: dict[int, int] = {}
+    for live, shadow in pairs:
+        for kind in TENSOR_TABLES:
+            served = table(live, kind)
+            for name, new in table(shadow, kind).items():
+                old = served.get(name)
+                if old is None or new is None or new is old:
+                    continue
+                holders[id(old)] = holders.get(id(old), 0) + 1
+                if replacement.setdefault(id(old), id(new)) != id(new):
+                    replacement[id(old)] = -1  # different replacements: it is not moved as one
+    return {old: n for old, n in holders.items() if replacement[old] != -1}
+
+
+def _install(live: torch.nn.Module, shadow: torch.nn.Module, copied: set[int], together: dict[int, int]) -> None:
+    """Make `live` serve what `shadow` holds. A served CPU tensor that only the modules being
+    installed hold (`together`: in how many tables, each given the same new tensor) is
+    replaced by the shadow's (no copy under the pause); one held elsewhere too (vLLM's, or a
+    module not in this install) or on a GPU (a captured graph keeps its address) is written
+    in place, once (`copied`: the served tensors written already)."""
     for kind in TENSOR_TABLES:
         served = table(live, kind)
         for name, new in table(shadow, kind).items():
             old = served.get(name)
             if new is None or new is old:
                 continue
-            # 3: the table's reference, `old` and getrefcount's own argument.
+            # 3: this table's reference, `old` and getrefcount's own argument; then the other
+            # tables of this install that will replace it too.
             if (
                 old is not None
                 and (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device)
-                and (old.device.type != "cpu" or sys.getrefcount(old) > 3)
+                and (old.device.type != "cpu" or sys.getrefcount(old) > 2 + together.get(id(old), 1))
             ):
                 if id(old) not in copied:
                     old.data.copy_(new)
                     copied.add(id(old))
             else:
+                if old is not None and id(old) in together:
+                    together[id(old)] -= 1
                 served[name] = _bound_to(new, shadow, live)
     for key, value in shadow.__dict__.items():
         if key not in MODULE_TABLES and live.__dict__.get(key, _MISSING) is not value:
