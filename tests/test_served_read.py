@@ -68,3 +68,18 @@ def test_a_packed_kernel_is_read_through_the_kernel_not_from_its_parameter(first
     layer.cpu_linear = kernel
     assert torch.equal(_read_kernel(layer), packed)
     assert sum(layer.rows_seen) >= IN  # every row of the identity went through it
+
+
+def test_a_kernel_that_refuses_the_probes_weights_is_read_through_the_identity():
+    """One that wants a weight with strides of its own (the probe's are broadcast)."""
+    layer = Layer(weights(torch.float32))
+
+    def strict(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not weight.is_contiguous():
+            raise RuntimeError("expected a contiguous weight")
+        layer.count(x)
+        return torch.nn.functional.linear(x, weight, bias)
+
+    layer.cpu_linear = strict
+    assert torch.equal(_read_kernel(layer), layer.weight)
+    assert sum(layer.rows_seen) >= IN

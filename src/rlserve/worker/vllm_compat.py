@@ -239,13 +239,17 @@ def kernel_computes_with_its_argument(module: torch.nn.Module, weight: torch.Ten
     a CPU without AVX-512 BF16 or AMX), and its forward passes the layer's `weight`: that
     parameter is then exactly what is served. A unit row through the kernel, once with zeros
     and once with ones for the weight, tells which: a packed kernel gives its own first column
-    both times, which cannot be all 0 and all 1 at once."""
+    both times, which cannot be all 0 and all 1 at once. A kernel that refuses the probe's
+    weights is read the way that suits every kernel (through the identity)."""
     out_features, in_features = weight.shape
     unit = torch.zeros(1, in_features, dtype=weight.dtype)
     unit[0, 0] = 1
-    with torch.no_grad():
-        zeros = run_packed_kernel(module, unit, torch.zeros(1, 1, dtype=weight.dtype).expand(out_features, in_features))
-        ones = run_packed_kernel(module, unit, torch.ones(1, 1, dtype=weight.dtype).expand(out_features, in_features))
+    try:
+        with torch.no_grad():
+            zeros = run_packed_kernel(module, unit, torch.zeros(1, 1, dtype=weight.dtype).expand(weight.shape))
+            ones = run_packed_kernel(module, unit, torch.ones(1, 1, dtype=weight.dtype).expand(weight.shape))
+    except RuntimeError:
+        return False
     return bool((zeros == 0).all() and (ones == 1).all())
 
 
