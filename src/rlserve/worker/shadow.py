@@ -7,8 +7,9 @@ bucket, run on a shadow of the whole module tree, so checkpoint names, fusion (q
 qkv_proj) and padding stay vLLM's code. A layer whose checkpoint tensors have all arrived is
 processed at once (its quant method's post-load step; on CPU that packs the GEMM kernel)
 while later buckets are still on the wire. The commit only swaps: a processed CPU tensor
-replaces the served one that only its module holds; one held elsewhere too (a tied head), or
-on a GPU (a captured graph keeps its address), is copied into the served storage instead; and
+replaces the served one that only the modules being swapped hold (its own, or an embedding
+and its tied head, both given the new one); one held elsewhere too, or on a GPU (a captured
+graph keeps its address), is copied into the served storage instead; and
 the attributes processing set (the CPU kernel) are moved onto the served module. A tied
 head (an lm_head that serves the embedding's weight) is processed from the embedding's new
 weight.
