@@ -7,10 +7,12 @@ one install serve (a tied head and its embedding) is replaced in both."""
 from __future__ import annotations
 
 import copy
+import time
+import weakref
 
 import torch
 
-from rlserve.worker.shadow import _install, _replaced_together
+from rlserve.worker.shadow import _free_in_background, _install, _replaced_together
 
 
 class Layer(torch.nn.Module):
@@ -41,8 +43,12 @@ def test_a_tensor_only_its_module_holds_is_replaced_not_copied():
     live = Layer()
     shadow = shadow_of(live)
     new_weight, new_norm = shadow._parameters["weight"], shadow._parameters["norm"]
-    _install(live, shadow, set(), {})
+    old = [id(live.weight), id(live.norm)]  # ids only: a reference held here would count as a holder
+    retired: list[torch.Tensor] = []
+    _install(live, shadow, set(), {}, retired)
     assert live.weight is new_weight and live.norm is new_norm
+    # The replaced tensors are the caller's to free (after the pause), not freed by the swap.
+    assert [id(t) for t in retired] == old
     assert torch.equal(live.weight, torch.full((4, 3), 7.0))
     # Its loader now writes the served module's tensor (the next update's shadow starts there).
     assert live.weight.weight_loader.__self__ is live
@@ -54,7 +60,7 @@ def test_a_tensor_held_elsewhere_too_is_written_in_place_once():
     head.weight = served  # a tied head serves the same tensor
     shadow = shadow_of(live)
     copied: set[int] = set()
-    _install(live, shadow, copied, {})
+    _install(live, shadow, copied, {}, [])
     assert live.weight is served and head.weight is served and copied == {id(served)}
     assert torch.equal(served, torch.full((4, 3), 7.0))
     assert live.norm is shadow._parameters["norm"]  # held by its module alone: replaced
@@ -71,18 +77,20 @@ def tied_pair() -> tuple[Layer, torch.nn.Module, Layer, torch.nn.Module]:
     return live, head, shadow, head_shadow
 
 
-def install(*pairs: tuple[torch.nn.Module, torch.nn.Module]) -> set[int]:
+def install(*pairs: tuple[torch.nn.Module, torch.nn.Module], retired: list | None = None) -> set[int]:
     copied: set[int] = set()
     together = _replaced_together(list(pairs))
     for live, shadow in pairs:
-        _install(live, shadow, copied, together)
+        _install(live, shadow, copied, together, [] if retired is None else retired)
     return copied
 
 
 def test_a_tensor_that_the_install_replaces_everywhere_it_is_served_is_replaced_not_copied():
     live, head, shadow, head_shadow = tied_pair()
-    new_weight = shadow._parameters["weight"]
-    assert install((live, shadow), (head, head_shadow)) == set()
+    new_weight, old = shadow._parameters["weight"], [id(live.norm), id(live.weight)]
+    retired: list[torch.Tensor] = []
+    assert install((live, shadow), (head, head_shadow), retired=retired) == set()
+    assert [id(t) for t in retired] == old  # the tied one once, when no table holds it any more
     assert live.weight is new_weight and head.weight is new_weight
     assert torch.equal(head.weight, torch.full((4, 3), 7.0))
     assert live.weight.weight_loader.__self__ is live
@@ -95,3 +103,13 @@ def test_a_tied_tensor_held_by_a_third_is_written_in_place_for_all():
     assert install((live, shadow), (head, head_shadow)) == {id(served)}
     assert live.weight is served and head.weight is served and keeper[0] is served
     assert torch.equal(served, torch.full((4, 3), 7.0))
+
+
+def test_replaced_tensors_are_freed_by_a_thread_after_the_swap():
+    tensors = [torch.zeros(1000) for _ in range(3)]
+    alive = [weakref.ref(t) for t in tensors]
+    _free_in_background(tensors)
+    deadline = time.monotonic() + 5
+    while any(r() is not None for r in alive) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r() for r in alive] == [None, None, None] and tensors == []
