@@ -28,7 +28,7 @@ import inspect
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MethodType
 from typing import Any
 
@@ -291,16 +291,24 @@ def _replaced_together(pairs: list[tuple[torch.nn.Module, torch.nn.Module]]) -> 
     holders: dict[int, int] = {}
     replacement: dict[int, int] = {}
     for live, shadow in pairs:
-        for kind in TENSOR_TABLES:
-            served = table(live, kind)
-            for name, new in table(shadow, kind).items():
-                old = served.get(name)
-                if old is None or new is None or new is old:
-                    continue
-                holders[id(old)] = holders.get(id(old), 0) + 1
-                if replacement.setdefault(id(old), id(new)) != id(new):
-                    replacement[id(old)] = -1  # different replacements: it is not moved as one
+        for served, name, new in _changes(live, shadow):
+            old = served.get(name)
+            if old is None:
+                continue
+            holders[id(old)] = holders.get(id(old), 0) + 1
+            if replacement.setdefault(id(old), id(new)) != id(new):
+                replacement[id(old)] = -1  # different replacements: it is not moved as one
     return {old: n for old, n in holders.items() if replacement[old] != -1}
+
+
+def _changes(live: torch.nn.Module, shadow: torch.nn.Module) -> Iterator[tuple[dict[str, Any], str, torch.Tensor]]:
+    """(the served table, name, the shadow's tensor) for every tensor the shadow changes. It
+    keeps no reference to the served tensor: the swap counts them."""
+    for kind in TENSOR_TABLES:
+        served = table(live, kind)
+        for name, new in table(shadow, kind).items():
+            if new is not None and new is not served.get(name):
+                yield served, name, new
 
 
 def _install(
@@ -316,29 +324,25 @@ def _install(
     the install holds it, for the caller to free; one held elsewhere too (vLLM's, or a module
     not in this install) or on a GPU (a captured graph keeps its address) is written in
     place, once (`copied`: the served tensors written already)."""
-    for kind in TENSOR_TABLES:
-        served = table(live, kind)
-        for name, new in table(shadow, kind).items():
-            old = served.get(name)
-            if new is None or new is old:
-                continue
-            # 3: this table's reference, `old` and getrefcount's own argument; then the other
-            # tables of this install that will replace it too.
-            if (
-                old is not None
-                and (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device)
-                and (old.device.type != "cpu" or sys.getrefcount(old) > 2 + together.get(id(old), 1))
-            ):
-                if id(old) not in copied:
-                    old.data.copy_(new)
-                    copied.add(id(old))
-            else:
-                if old is not None:
-                    left = together.get(id(old), 1) - 1  # tables of this install holding it still
-                    together[id(old)] = left
-                    if not left:
-                        retired.append(old)
-                served[name] = _bound_to(new, shadow, live)
+    for served, name, new in _changes(live, shadow):
+        old = served.get(name)
+        # 3: this table's reference, `old` and getrefcount's own argument; then the other
+        # tables of this install that will replace it too.
+        if (
+            old is not None
+            and (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device)
+            and (old.device.type != "cpu" or sys.getrefcount(old) > 2 + together.get(id(old), 1))
+        ):
+            if id(old) not in copied:
+                old.data.copy_(new)
+                copied.add(id(old))
+        else:
+            if old is not None:
+                left = together.get(id(old), 1) - 1  # tables of this install holding it still
+                together[id(old)] = left
+                if not left:
+                    retired.append(old)
+            served[name] = _bound_to(new, shadow, live)
     for key, value in shadow.__dict__.items():
         if key not in MODULE_TABLES and live.__dict__.get(key, _MISSING) is not value:
             live.__dict__[key] = value
