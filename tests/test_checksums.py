@@ -34,6 +34,23 @@ def test_negative_zeros_count_as_positive_ones(dtype):
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
+def test_a_tensor_without_negative_zeros_is_hashed_as_it_is_and_one_is_found_anywhere(dtype):
+    """The most negative values there are beside -0.0 (the sign bit and the lowest bit: the
+    smallest negative subnormal; all bits: a NaN) are not taken for one."""
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[torch.finfo(dtype).bits // 8]
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(2)).to(dtype)
+    t.view(bits)[10] = torch.iinfo(bits).min + 1
+    t.view(bits)[11] = -1
+    assert tensor_checksum(t) == _raw(t)
+    t[-1] = -0.0
+    assert tensor_checksum(t) == _raw(t + 0.0) != _raw(t)
+
+
+def _raw(t: torch.Tensor) -> str:
+    return xxhash.xxh3_128_hexdigest(t.view(torch.uint8).numpy().tobytes())
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
 def test_a_receiver_gets_the_senders_digest_for_the_senders_bytes_and_no_other(dtype):
     sent = _with_negative_zeros(dtype)
     expect = tensor_checksum(sent)
