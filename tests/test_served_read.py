@@ -52,6 +52,20 @@ def test_a_kernel_that_computes_with_its_argument_is_read_from_it_not_run_over_t
     assert layer.rows_seen == [1, 1]  # the probe's two unit rows, nothing of the layer's size
 
 
+def test_the_probe_multiplies_one_row_of_weights_not_the_layers():
+    """On a CPU without native bf16 a product of the lm_head's size takes most of a second."""
+    layer = Layer(weights(torch.bfloat16))
+    shapes: list[tuple[int, ...]] = []
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shapes.append(tuple(weight.shape))
+        return torch.nn.functional.linear(x, weight, bias)
+
+    layer.cpu_linear = linear
+    assert torch.equal(_read_kernel(layer), layer.weight)
+    assert shapes == [(1, IN), (1, IN)]
+
+
 @pytest.mark.parametrize("first_column", [0.0, 1.0, None])
 def test_a_packed_kernel_is_read_through_the_kernel_not_from_its_parameter(first_column):
     """What the kernel computes with differs from the parameter (as after vLLM's own weight

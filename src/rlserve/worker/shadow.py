@@ -128,7 +128,7 @@ class ShadowUpdate:
     def _process(self, layer: str) -> None:
         shadow = self._shadow[layer]
         _fill_unloaded(shadow, self._live[layer], layer)
-        vllm_compat.process_after_loading(shadow)
+        vllm_compat.process_after_loading(shadow, self._live[layer])
         done = [layer]
         self._ready[layer] = shadow
         self._processed.add(layer)
@@ -139,7 +139,7 @@ class ShadowUpdate:
             own = {**table(served, PARAMETERS), alias_param: table(shadow, PARAMETERS)[owner_param]}
             set_table(tied, PARAMETERS, own)
             set_table(tied, BUFFERS, dict(table(served, BUFFERS)))
-            vllm_compat.process_after_loading(tied)
+            vllm_compat.process_after_loading(tied, served)
             self._ready[alias] = tied
             done.append(alias)
         if self._in_place:

@@ -237,20 +237,40 @@ def kernel_computes_with_its_argument(module: torch.nn.Module, weight: torch.Ten
     """Whether the layer's kernel computes x W^T from the weight it is called with rather than
     from a packed copy of its own. vLLM falls back to `F.linear` where it cannot pack (bf16 on
     a CPU without AVX-512 BF16 or AMX), and its forward passes the layer's `weight`: that
-    parameter is then exactly what is served. A unit row through the kernel, once with zeros
-    and once with ones for the weight, tells which: a packed kernel gives its own first column
-    both times, which cannot be all 0 and all 1 at once. A kernel that refuses the probe's
-    weights is read the way that suits every kernel (through the identity)."""
-    out_features, in_features = weight.shape
+    parameter is then exactly what is served. A unit row through the kernel, once with a
+    one-row weight of zeros and once of ones, tells which: a kernel that computes with it
+    answers 0 then 1; a packed kernel gives its own first column both times, which cannot be
+    all 0 and all 1 at once. One row, not the layer's: a product of the layer's size costs
+    0.9 s for SmolLM2's lm_head in bf16 on a CPU without native bf16. A kernel that refuses
+    the probe's weights is read the way that suits every kernel (through the identity)."""
+    in_features = weight.shape[1]
     unit = torch.zeros(1, in_features, dtype=weight.dtype)
     unit[0, 0] = 1
     try:
         with torch.no_grad():
-            zeros = run_packed_kernel(module, unit, torch.zeros(1, 1, dtype=weight.dtype).expand(weight.shape))
-            ones = run_packed_kernel(module, unit, torch.ones(1, 1, dtype=weight.dtype).expand(weight.shape))
+            zeros = run_packed_kernel(module, unit, torch.zeros(1, 1, dtype=weight.dtype).expand(1, in_features))
+            ones = run_packed_kernel(module, unit, torch.ones(1, 1, dtype=weight.dtype).expand(1, in_features))
     except RuntimeError:
         return False
     return bool((zeros == 0).all() and (ones == 1).all())
+
+
+def _kernel_holds_no_weights(module: torch.nn.Module) -> bool:
+    """Whether a CPU layer (linear, embedding or lm_head) has a kernel that computes with
+    the weight it is called with, its own weight (unpacked) in its place."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    if not callable(getattr(module, "cpu_linear", None)) or not isinstance(
+        module, (LinearBase, VocabParallelEmbedding)
+    ):
+        return False
+    weight = getattr(module, "weight", None)
+    return (
+        isinstance(weight, torch.Tensor)
+        and tuple(weight.shape) == kernel_shape(module)
+        and kernel_computes_with_its_argument(module, weight)
+    )
 
 
 def run_packed_kernel(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -316,11 +336,18 @@ def restore_layer_refs(tensor: torch.Tensor, layer: torch.nn.Module) -> torch.Te
     return restore(tensor, layer)
 
 
-def process_after_loading(layer: torch.nn.Module) -> None:
+def process_after_loading(layer: torch.nn.Module, served: torch.nn.Module) -> None:
     """vLLM's processing after a layer's weights are loaded (on CPU: pack the GEMM kernel),
-    once more: vLLM's quant methods flag a layer they processed and skip it the next time."""
+    once more, for `layer`, a shadow of `served` (which shares its attributes): vLLM's quant
+    methods flag a layer they processed and skip it the next time. Skipped where the served
+    kernel computes with the weight it is called with (`F.linear`, where vLLM cannot pack):
+    vLLM picks a layer's kernel by its shape and dtype, which an update keeps, so it would
+    pick that one again, after failing to pack (1 ms a layer on a CPU without native bf16),
+    and that kernel holds nothing of the weights."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
+    if _kernel_holds_no_weights(served):
+        return
     layer.__dict__.pop("_already_called_process_weights_after_loading", None)
     method = getattr(layer, "quant_method", None)
     if isinstance(method, QuantizeMethodBase):

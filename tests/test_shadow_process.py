@@ -1,0 +1,88 @@
+"""A shadow's processing (`rlserve.worker.vllm_compat.process_after_loading`) on plain
+modules with vLLM's own linear method, no engine: whichever kernel this CPU gives a dtype,
+the processed shadow computes with its new weight and the served layer still with its old
+one; where the served kernel computes with the weight it is called with (vLLM's F.linear
+fallback), vLLM's processing is not run again (on a CPU without native bf16 it fails to
+pack every layer first, about 1 ms each), and a packed kernel is always processed anew."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+from rlserve.worker.vllm_compat import process_after_loading
+
+OUT, IN = 48, 40
+
+
+class Layer(LinearBase):
+    """The attributes of a vLLM linear layer that its CPU processing and kernel use (vLLM's
+    own constructor needs a tensor-parallel group)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        torch.nn.Module.__init__(self)
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.output_size_per_partition, self.input_size_per_partition = weight.shape
+        self.quant_method = CountingMethod()
+
+
+class CountingMethod(UnquantizedLinearMethod):
+    def __init__(self) -> None:
+        super().__init__()
+        self.processed = 0
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.processed += 1
+        super().process_weights_after_loading(layer)
+
+
+def weights(seed: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(OUT, IN, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def served_and_shadow(dtype: torch.dtype) -> tuple[Layer, Layer, torch.Tensor, torch.Tensor]:
+    old, new = weights(0, dtype), weights(1, dtype)
+    served = Layer(old.clone())
+    served.quant_method.process_weights_after_loading(served)
+    shadow = copy.copy(served)  # as the update builds one: shared attributes, tables of its own
+    shadow._parameters = {"weight": torch.nn.Parameter(new.clone(), requires_grad=False)}
+    return served, shadow, old, new
+
+
+def computed(layer: Layer, dtype: torch.dtype) -> torch.Tensor:
+    """W as the layer computes it: the identity through its kernel (exact in any dtype)."""
+    with torch.no_grad():
+        return layer.cpu_linear(torch.eye(IN, dtype=dtype), layer.weight, None).t()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_processed_shadow_computes_with_its_new_weight_and_the_served_layer_with_its_old(dtype):
+    served, shadow, old, new = served_and_shadow(dtype)
+    process_after_loading(shadow, served)
+    assert torch.equal(computed(shadow, dtype), new)
+    assert torch.equal(computed(served, dtype), old)
+
+
+def test_a_kernel_that_computes_with_its_argument_is_not_processed_again():
+    served, shadow, _, new = served_and_shadow(torch.bfloat16)
+    served.cpu_linear = shadow.cpu_linear = lambda x, w, b: torch.nn.functional.linear(x, w, b)
+    kernel = served.cpu_linear
+    before = served.quant_method.processed
+    process_after_loading(shadow, served)
+    assert served.quant_method.processed == before
+    assert shadow.cpu_linear is kernel
+    assert torch.equal(computed(shadow, torch.bfloat16), new)
+
+
+def test_a_packed_kernel_is_processed_anew():
+    """One that computes with a copy of its own, whatever it is called with."""
+    served, shadow, old, new = served_and_shadow(torch.float32)
+    packed = old.clone()
+    served.cpu_linear = shadow.cpu_linear = lambda x, w, b: torch.nn.functional.linear(x, packed, b)
+    before = served.quant_method.processed
+    process_after_loading(shadow, served)
+    assert served.quant_method.processed == before + 1
+    assert torch.equal(computed(shadow, torch.float32), new)
