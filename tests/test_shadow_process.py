@@ -1,9 +1,9 @@
-"""A shadow's processing (`rlserve.worker.vllm_compat.process_after_loading`) on plain
-modules with vLLM's own linear method, no engine: whichever kernel this CPU gives a dtype,
-the processed shadow computes with its new weight and the served layer still with its old
-one; where the served kernel computes with the weight it is called with (vLLM's F.linear
-fallback), vLLM's processing is not run again (on a CPU without native bf16 it fails to
-pack every layer first, about 1 ms each), and a packed kernel is always processed anew."""
+"""A shadow's processing on plain modules with vLLM's own linear method, no engine, as
+`ShadowUpdate._process` does it: vLLM's processing (`vllm_compat.process_after_loading`)
+unless the served kernel computes with the weight it is called with (vLLM's F.linear
+fallback; on a CPU without native bf16 vLLM fails to pack every layer first, about 1 ms
+each). Whichever kernel this CPU gives a dtype, the shadow computes with its new weight and
+the served layer still with its old one; a packed kernel is always processed anew."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
-from rlserve.worker.vllm_compat import process_after_loading
+from rlserve.worker.vllm_compat import kernel_holds_no_weights, process_after_loading
 
 OUT, IN = 48, 40
 
@@ -52,6 +52,12 @@ def served_and_shadow(dtype: torch.dtype) -> tuple[Layer, Layer, torch.Tensor, t
     return served, shadow, old, new
 
 
+def process(shadow: Layer, served: Layer) -> None:
+    """As `ShadowUpdate._process` (through `ServedWeights.needs_processing`)."""
+    if not kernel_holds_no_weights(served):
+        process_after_loading(shadow)
+
+
 def computed(layer: Layer, dtype: torch.dtype) -> torch.Tensor:
     """W as the layer computes it: the identity through its kernel (exact in any dtype)."""
     with torch.no_grad():
@@ -61,7 +67,9 @@ def computed(layer: Layer, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_processed_shadow_computes_with_its_new_weight_and_the_served_layer_with_its_old(dtype):
     served, shadow, old, new = served_and_shadow(dtype)
-    process_after_loading(shadow, served)
+    # vLLM keeps the parameter of a layer it cannot pack, and drops that of one it packs.
+    assert kernel_holds_no_weights(served) == (served.weight.numel() > 0)
+    process(shadow, served)
     assert torch.equal(computed(shadow, dtype), new)
     assert torch.equal(computed(served, dtype), old)
 
@@ -71,7 +79,7 @@ def test_a_kernel_that_computes_with_its_argument_is_not_processed_again():
     served.cpu_linear = shadow.cpu_linear = lambda x, w, b: torch.nn.functional.linear(x, w, b)
     kernel = served.cpu_linear
     before = served.quant_method.processed
-    process_after_loading(shadow, served)
+    process(shadow, served)
     assert served.quant_method.processed == before
     assert shadow.cpu_linear is kernel
     assert torch.equal(computed(shadow, torch.bfloat16), new)
@@ -83,6 +91,6 @@ def test_a_packed_kernel_is_processed_anew():
     packed = old.clone()
     served.cpu_linear = shadow.cpu_linear = lambda x, w, b: torch.nn.functional.linear(x, packed, b)
     before = served.quant_method.processed
-    process_after_loading(shadow, served)
+    process(shadow, served)
     assert served.quant_method.processed == before + 1
     assert torch.equal(computed(shadow, torch.float32), new)

@@ -5,7 +5,8 @@ tensors of its own, in the format the checkpoint loads into (vLLM records that f
 every layer when the model loads). The model's own `load_weights` fills the shadows bucket by
 bucket, run on a shadow of the whole module tree, so checkpoint names, fusion (q/k/v into
 qkv_proj) and padding stay vLLM's code. A layer whose checkpoint tensors have all arrived is
-processed at once (its quant method's post-load step; on CPU that packs the GEMM kernel)
+processed at once (its quant method's post-load step; on CPU that packs the GEMM kernel;
+a served kernel that computes with the weight it is called with is kept as it is)
 while later buckets are still on the wire. The commit only swaps: a processed CPU tensor
 replaces the served one that only the modules being swapped hold (its own, or an embedding
 and its tied head, both given the new one); one held elsewhere too, or on a GPU (a captured
@@ -128,7 +129,8 @@ class ShadowUpdate:
     def _process(self, layer: str) -> None:
         shadow = self._shadow[layer]
         _fill_unloaded(shadow, self._live[layer], layer)
-        vllm_compat.process_after_loading(shadow, self._live[layer])
+        if self._served.needs_processing(layer):
+            vllm_compat.process_after_loading(shadow)
         done = [layer]
         self._ready[layer] = shadow
         self._processed.add(layer)
@@ -139,7 +141,8 @@ class ShadowUpdate:
             own = {**table(served, PARAMETERS), alias_param: table(shadow, PARAMETERS)[owner_param]}
             set_table(tied, PARAMETERS, own)
             set_table(tied, BUFFERS, dict(table(served, BUFFERS)))
-            vllm_compat.process_after_loading(tied, served)
+            if self._served.needs_processing(alias):
+                vllm_compat.process_after_loading(tied)
             self._ready[alias] = tied
             done.append(alias)
         if self._in_place:

@@ -255,9 +255,10 @@ def kernel_computes_with_its_argument(module: torch.nn.Module, weight: torch.Ten
     return bool((zeros == 0).all() and (ones == 1).all())
 
 
-def _kernel_holds_no_weights(module: torch.nn.Module) -> bool:
+def kernel_holds_no_weights(module: torch.nn.Module) -> bool:
     """Whether a CPU layer (linear, embedding or lm_head) has a kernel that computes with
-    the weight it is called with, its own weight (unpacked) in its place."""
+    the weight it is called with (vLLM's `F.linear`, where it cannot pack: bf16 on a CPU
+    without AVX-512 BF16 or AMX), its own weight (unpacked) in its place."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
@@ -336,18 +337,11 @@ def restore_layer_refs(tensor: torch.Tensor, layer: torch.nn.Module) -> torch.Te
     return restore(tensor, layer)
 
 
-def process_after_loading(layer: torch.nn.Module, served: torch.nn.Module) -> None:
+def process_after_loading(layer: torch.nn.Module) -> None:
     """vLLM's processing after a layer's weights are loaded (on CPU: pack the GEMM kernel),
-    once more, for `layer`, a shadow of `served` (which shares its attributes): vLLM's quant
-    methods flag a layer they processed and skip it the next time. Skipped where the served
-    kernel computes with the weight it is called with (`F.linear`, where vLLM cannot pack):
-    vLLM picks a layer's kernel by its shape and dtype, which an update keeps, so it would
-    pick that one again, after failing to pack (1 ms a layer on a CPU without native bf16),
-    and that kernel holds nothing of the weights."""
+    once more: vLLM's quant methods flag a layer they processed and skip it the next time."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-    if _kernel_holds_no_weights(served):
-        return
     layer.__dict__.pop("_already_called_process_weights_after_loading", None)
     method = getattr(layer, "quant_method", None)
     if isinstance(method, QuantizeMethodBase):
