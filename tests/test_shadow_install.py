@@ -113,3 +113,30 @@ def test_replaced_tensors_are_freed_by_a_thread_after_the_swap():
     while any(r() is not None for r in alive) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [r() for r in alive] == [None, None, None] and tensors == []
+
+
+def test_a_loaders_signature_is_remembered_per_function_and_bound_methods_drop_self():
+    import inspect
+
+    from rlserve.worker.shadow import _SIGNATURES, _signature
+
+    one, two = Layer(), Layer()
+    assert _signature(one.load) == inspect.signature(one.load)
+    assert list(_signature(two.load).parameters) == ["param", "value"]
+    assert Layer.load in _SIGNATURES  # one entry for every layer's bound loader
+
+    def plain(param, loaded_weight, shard_id=None):
+        pass
+
+    assert _signature(plain) == inspect.signature(plain)
+    unreferable = Slotted()
+    assert _signature(unreferable) == inspect.signature(unreferable)  # answered, not remembered
+
+
+class Slotted:
+    """A loader no weak reference can point to."""
+
+    __slots__ = ()
+
+    def __call__(self, param, loaded_weight):
+        pass
