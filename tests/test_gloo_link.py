@@ -13,8 +13,9 @@ import psutil
 import pytest
 import torch
 
+from rlserve.sdk.senders import TensorSender
 from rlserve.wire.gloo_group import GlooGroup
-from rlserve.wire.protocol import ChunkInfo, InitInfo, TensorMeta, tensor_checksum
+from rlserve.wire.protocol import ChunkInfo, InitInfo, ProtocolError, TensorMeta, tensor_checksum
 from rlserve.worker.gloo_link import EXIT_S, GlooLink, SpareHelper
 
 # Shorter than starting a helper takes on the machines this runs on (2.2 s to import torch
@@ -147,3 +148,62 @@ time.sleep(5)  # started (2-3 s) and said so, unread
 print(spare.pid, flush=True)
 time.sleep(60)
 """
+
+
+@pytest.mark.parametrize("messages", ["bucket", "tensor"])
+def test_a_chunk_lands_bucket_by_bucket_whichever_message_layout_it_names(spare, messages):
+    """The SDK's sender and a helper, in both layouts: a message per bucket (packed by the
+    sender) or per tensor (sent from each tensor's memory; an empty tensor sends none). A
+    tensor the chunk describes otherwise is refused by a vote of no before a byte moves, and
+    the group stays in step for the next chunk."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a": torch.randn(300, generator=g),
+        "empty": torch.empty(0),
+        "b": torch.randn(7, 5, generator=g).to(torch.bfloat16),
+        "c": torch.randn(1000, generator=g),
+    }
+    metas = tuple(
+        TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_checksum(t))
+        for n, t in tensors.items()
+    )
+    chunk = ChunkInfo(metas, bucket_bytes=1500, messages=messages)  # two buckets
+    link = spare.take()
+    sender = TensorSender(1, timeout_s=20.0)
+    try:
+        joining = ThreadPoolExecutor(1).submit(link.join_group, InitInfo(**sender.init_info()), 1)
+        sender.join()
+        joining.result()
+        landed: list[dict[str, tuple[torch.Tensor, str]]] = []
+
+        def deliver(bucket: dict[str, torch.Tensor], digests: dict[str, str]) -> None:
+            landed.append({n: (t.clone(), digests[n]) for n, t in bucket.items()})
+
+        for _ in range(2):  # the second time over the same group: still in step
+            landed.clear()
+            sent = ThreadPoolExecutor(1).submit(sender.send, chunk, tensors)
+            assert link.exchange(chunk, True, 20.0, deliver) is True
+            assert sent.result() is True
+            assert [list(b) for b in landed] == [["a", "empty", "b"], ["c"]]
+            for bucket in landed:
+                for name, (tensor, digest) in bucket.items():
+                    assert torch.equal(tensor, tensors[name]) and digest == tensor_checksum(tensors[name])
+            wrong = {**tensors, "b": tensors["b"].float()}  # twice the bytes the chunk says
+            refused = ThreadPoolExecutor(1).submit(sender.send, chunk, wrong)
+            assert link.exchange(chunk, True, 20.0, deliver) is False
+            with pytest.raises(ValueError, match="b: 140 bytes given, the chunk says 70"):
+                refused.result()
+            assert sender.joined
+    finally:
+        sender.close()
+        link.close()
+
+
+def test_a_chunks_message_layout_round_trips_and_an_unknown_one_is_refused():
+    raw = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[4]], "checksums": ["x"]}
+    assert ChunkInfo.parse(raw).messages == "bucket"  # as trainers sent chunks before the field
+    per_tensor = ChunkInfo.parse({**raw, "messages": "tensor"})
+    assert per_tensor.messages == "tensor" and ChunkInfo.parse(per_tensor.to_json()) == per_tensor
+    for wrong in ("tensors", 1, None, ["tensor"]):
+        with pytest.raises(ProtocolError, match="messages must be one of"):
+            ChunkInfo.parse({**raw, "messages": wrong})

@@ -133,9 +133,14 @@ class TensorSender(Sender):
 
     def send(self, chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor], bar: Any = None) -> bool:
         """Vote, then broadcast the chunk's buckets; False (nothing sent) when the server
-        refused it. A failure leaves the group out of step: `joined` turns False."""
+        refused it. A failure leaves the group out of step: `joined` turns False. A tensor
+        that is not as the chunk describes it (absent, another size, not contiguous) is
+        ValueError after a vote of no: nothing is sent and the group stays in step."""
+        misfit = _misfit(chunk, tensors)
         try:
-            if not self.vote(True):
+            if not self.vote(misfit is None):
+                if misfit is not None:
+                    raise ValueError(misfit)
                 return False
             self.broadcast(chunk, tensors, bar)
             return True
@@ -144,9 +149,22 @@ class TensorSender(Sender):
             raise
 
     def broadcast(self, chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor], bar: Any = None) -> None:
+        """The chunk's messages (`ChunkInfo.messages`): each tensor from its own memory, or
+        each bucket packed into a buffer first."""
         group = self._group_or_raise()
         bar = bar or NoBar()
         buckets = plan_buckets(chunk.tensors, chunk.bucket_bytes)
+        if chunk.messages == "tensor":
+            # Every message at once: nothing is copied, so nothing waits for a buffer.
+            posted = []
+            for bucket in buckets:
+                sources = [tensors[chunk.tensors[i].name] for i, _ in bucket.placements]
+                posted.append([group.broadcast_async(_bytes(t)) for t in sources if t.numel()])
+            for works, bucket in zip(posted, buckets):
+                for work in works:
+                    work.wait()
+                bar.update(bucket.num_bytes)
+            return
         # Two buffers: fill the next bucket while the previous one is on the wire.
         spare = [torch.empty(chunk.bucket_bytes, dtype=torch.uint8) for _ in range(2)]
         in_flight: list[tuple[Any, int]] = []
@@ -226,7 +244,7 @@ class ShmSender(Sender):
         # The segments are ours until the servers answer: their workers copy a chunk out first.
         for index, offset in shm.layout(chunk, self.capacity)[1]:
             meta = chunk.tensors[index]
-            source = tensors[meta.name].view(-1).view(torch.uint8)
+            source = _bytes(tensors[meta.name])
             for segment in self.segments:
                 segment.bytes[offset : offset + meta.num_bytes].copy_(source)
             if bar is not None:
@@ -284,8 +302,29 @@ def _fill(spare: torch.Tensor, bucket: Any, chunk: ChunkInfo, tensors: Mapping[s
     )
     for index, offset in bucket.placements:
         meta = chunk.tensors[index]
-        buffer[offset : offset + meta.num_bytes].copy_(tensors[meta.name].view(-1).view(torch.uint8))
+        buffer[offset : offset + meta.num_bytes].copy_(_bytes(tensors[meta.name]))
     return buffer
+
+
+def _misfit(chunk: ChunkInfo, tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """Why `tensors` cannot be sent as `chunk` (a message of another size than the receivers
+    post would end their helpers), if they cannot."""
+    for meta in chunk.tensors:
+        tensor = tensors.get(meta.name)
+        if tensor is None:
+            return f"{meta.name}: not among the tensors given"
+        if tensor.device.type != "cpu":
+            return f"{meta.name}: a sender sends CPU tensors, given one on {tensor.device}"
+        if not tensor.is_contiguous():
+            return f"{meta.name}: a sender sends contiguous tensors"
+        if tensor.nbytes != meta.num_bytes:
+            return f"{meta.name}: {tensor.nbytes} bytes given, the chunk says {meta.num_bytes}"
+    return None
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as a flat uint8 view (no copy)."""
+    return tensor.view(-1).view(torch.uint8)
 
 
 class NoBar:

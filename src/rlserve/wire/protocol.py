@@ -27,6 +27,8 @@ CHECKSUM_ALGORITHM = "xxh3-128"
 # Tensors start on this boundary inside a bucket so the receiver can view them in place.
 ALIGN_BYTES = 64
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# How a chunk's buckets travel over rlserve_gloo (`ChunkInfo.messages`).
+MESSAGE_LAYOUTS = ("bucket", "tensor")
 # A patch's flat indices are int32: a patched tensor has at most this many elements.
 PATCH_INDEX_BYTES = 4
 MAX_PATCHED_ELEMENTS = 2**31 - 1
@@ -189,6 +191,9 @@ class ChunkInfo:
     segment_offset: int = 0
     # A chunk with patches names the weight version they apply to.
     base_weight_version: str | None = None
+    # rlserve_gloo only: one message per bucket ("bucket", the sender packs each bucket into a
+    # buffer first) or per tensor ("tensor": sent from the tensor's own memory, no packing).
+    messages: str = "bucket"
 
     @property
     def num_bytes(self) -> int:
@@ -207,6 +212,7 @@ class ChunkInfo:
             "segment_offset",
             "num_changed",
             "base_weight_version",
+            "messages",
         }
         unknown = set(raw) - known
         if unknown:
@@ -238,6 +244,9 @@ class ChunkInfo:
             raise ProtocolError("update_info.base_weight_version must be a non-empty string")
         if base is None and any(k is not None for k in num_changed):
             raise ProtocolError("a chunk with patches (num_changed) must name its base_weight_version")
+        messages = raw.get("messages", "bucket")
+        if messages not in MESSAGE_LAYOUTS:
+            raise ProtocolError(f"update_info.messages must be one of {list(MESSAGE_LAYOUTS)}")
         tensors = []
         for (name, dtype, shape, checksum), changed in zip(zip(*lists.values()), num_changed):
             if not isinstance(name, str) or not name:
@@ -254,7 +263,7 @@ class ChunkInfo:
             if meta.num_bytes > MAX_TENSOR_BYTES:
                 raise ProtocolError(f"{name}: more bytes than any tensor may have ({MAX_TENSOR_BYTES})")
             tensors.append(meta)
-        return cls(tuple(tensors), bucket_bytes, offset, base)
+        return cls(tuple(tensors), bucket_bytes, offset, base, messages)
 
     def to_json(self) -> dict[str, Any]:
         patches = any(t.num_changed is not None for t in self.tensors)
@@ -267,7 +276,15 @@ class ChunkInfo:
             **({"segment_offset": self.segment_offset} if self.segment_offset else {}),
             **({"num_changed": [t.num_changed for t in self.tensors]} if patches else {}),
             **({"base_weight_version": self.base_weight_version} if self.base_weight_version else {}),
+            **({"messages": self.messages} if self.messages != "bucket" else {}),
         }
+
+    def messages_of(self, bucket: Bucket) -> list[tuple[int, int]]:
+        """(byte offset in the bucket, bytes) of each rlserve_gloo message that carries
+        `bucket`, in order: the whole bucket, or each of its tensors that has bytes."""
+        if self.messages == "bucket":
+            return [(0, bucket.num_bytes)]
+        return [(offset, self.tensors[i].num_bytes) for i, offset in bucket.placements if self.tensors[i].num_bytes]
 
 
 def _num_changed(name: str, raw: Any, shape: list[int]) -> int | None:

@@ -1,9 +1,10 @@
 """The process that holds one worker's gloo membership (see `gloo_link`): `python -m
 rlserve.worker.gloo_helper FD`, where FD is its end of a socket pair with the worker. It
 says when it has started (a spare starts ahead of its join), then answers each request with
-JSON lines: join the trainer's group; vote and receive a chunk into
-the worker's landing area (mapped once, when the worker names a new one), one line per bucket
-with its digests as soon as it has landed, then a last line; close.
+JSON lines: join the trainer's group; vote and receive a chunk (a message per bucket or per
+tensor, as the chunk says) into the worker's landing area (mapped once, when the worker
+names a new one), one line per bucket with its digests as soon as it has landed, then a
+last line; close.
 Everything that can go wrong with the trainer goes wrong here, not in the vLLM worker."""
 
 from __future__ import annotations
@@ -77,9 +78,13 @@ def receive(group: GlooGroup, request: dict[str, Any], landing: torch.Tensor, so
     starts, _ = landing_offsets(buckets)
     buffers = [landing[start : start + bucket.num_bytes] for bucket, start in zip(buckets, starts)]
     # Post every receive at once; digest and report each bucket while later ones arrive.
-    works = [group.broadcast_async(buffer) for buffer in buffers]
-    for i, (bucket, buffer, work) in enumerate(zip(buckets, buffers, works)):
-        work.wait()
+    works = [
+        [group.broadcast_async(buffer[offset : offset + size]) for offset, size in info.messages_of(bucket)]
+        for bucket, buffer in zip(buckets, buffers)
+    ]
+    for i, (bucket, buffer, messages) in enumerate(zip(buckets, buffers, works)):
+        for work in messages:
+            work.wait()
         checksums = []
         for index, offset in bucket.placements:
             meta = info.tensors[index]
