@@ -263,19 +263,24 @@ async def test_the_sdk_surfaces_a_refusal_at_once(wt_engine, engine_config, tiny
 
 
 async def test_a_trainer_that_breaks_the_collectives_cannot_kill_the_engine(wt_engine, engine_config, tiny_model_dir):
-    """gloo aborts the process that receives a message of the wrong size (twice the bucket,
-    or a vote of 1024 numbers): that process is the worker's transfer helper, never the vLLM
-    worker. The chunk fails, the engine serves on, and a correct trainer gets through."""
+    """gloo aborts the process that receives a message of the wrong size (twice the bucket, a
+    vote of 1024 numbers, or a bucket's bytes in one message where the chunk says a message
+    per tensor): that process is the worker's transfer helper, never the vLLM worker. The
+    chunk fails, the engine serves on, and a correct trainer gets through."""
     async with serving(wt_engine, config(engine_config, transfer_timeout_s=CAP_S)) as s:
         tokens = await greedy(s.inference)
         name = "model.layers.0.self_attn.q_proj.weight"
         tensor = checkpoint(tiny_model_dir)[name]
-        for fault in ("oversized bucket", "oversized vote"):
+        other = "model.layers.0.self_attn.k_proj.weight"
+        pair = [(name, tensor), (other, checkpoint(tiny_model_dir)[other])]
+        for fault in ("oversized bucket", "oversized vote", "a bucket where a message per tensor is due"):
             trainer = HandTrainer(s.target, timeout_s=CAP_S)
             try:
                 await begin_update(s, trainer)
                 if fault == "oversized bucket":
                     sent = trainer.send(chunk_of([(name, tensor)]), [tensor, tensor])
+                elif fault == "a bucket where a message per tensor is due":
+                    sent = trainer.send(chunk_of(pair, messages="tensor"), [t for _, t in pair])
                 else:
                     sent = trainer.send(chunk_of([(name, tensor)]), None, raw_vote=torch.ones(1024, dtype=torch.int32))
                 details = await expect(DEADLINE, sent)
