@@ -18,6 +18,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import time
 import zipfile
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
@@ -134,25 +135,37 @@ def describe_tree(frontend: psutil.Process) -> list[str]:
 
 class PeakMemory:
     """The resident memory of a process and its descendants (shared memory they map included),
-    sampled every few milliseconds in a thread while in use: `peak_bytes - start_bytes` is
-    what the measured work added at its worst."""
+    sampled every 10 ms in a thread while in use: `peak_bytes - start_bytes` is what the
+    measured work added at its worst. The tree is listed again once a second, not at every
+    sample: listing it scans every process on the machine, and sampled every 2 ms that kept
+    a core of a 2-core machine busy and the measuring process's GIL with it, under the very
+    syncs it measured (gloo's sender, Python between its messages, most of all)."""
 
-    def __init__(self, pid: int, interval_s: float = 0.002) -> None:
+    def __init__(self, pid: int, interval_s: float = 0.01, relist_s: float = 1.0) -> None:
         self._root = psutil.Process(pid)
-        self._interval_s = interval_s
+        self._interval_s, self._relist_s = interval_s, relist_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._tree = self._list()
         self.start_bytes = self.peak_bytes = self._sample()
+
+    def _list(self) -> list[psutil.Process]:
+        with contextlib.suppress(psutil.Error):
+            return [self._root, *self._root.children(recursive=True)]
+        return [self._root]
 
     def _sample(self) -> int:
         total = 0
-        for proc in [self._root, *self._root.children(recursive=True)]:
+        for proc in self._tree:
             with contextlib.suppress(psutil.Error):
                 total += proc.memory_info().rss
         return total
 
     def _run(self) -> None:
+        listed = time.monotonic()
         while not self._stop.wait(self._interval_s):
+            if time.monotonic() - listed > self._relist_s:
+                self._tree, listed = self._list(), time.monotonic()
             self.peak_bytes = max(self.peak_bytes, self._sample())
 
     def __enter__(self) -> PeakMemory:
@@ -162,6 +175,30 @@ class PeakMemory:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def settle(pid: int, *, busy_below: float = 0.05, window_s: float = 0.5, timeout_s: float = 30.0) -> None:
+    """Wait until a process and its descendants use under `busy_below` of a core over
+    `window_s` (or `timeout_s` passed): a server starting a spare transfer helper after its
+    first session (Python and torch, 2-3 s of a core here) is not what a later sync competes
+    with."""
+
+    def cpu_s(tree: list[psutil.Process]) -> float:
+        total = 0.0
+        for proc in tree:
+            with contextlib.suppress(psutil.Error):
+                times = proc.cpu_times()
+                total += times.user + times.system
+        return total
+
+    deadline = time.monotonic() + timeout_s
+    root = psutil.Process(pid)
+    while time.monotonic() < deadline:
+        tree = [root, *root.children(recursive=True)]
+        before = cpu_s(tree)
+        time.sleep(window_s)
+        if cpu_s(tree) - before < busy_below * window_s:
+            return
 
 
 def stop_tree(pid: int) -> None:

@@ -46,7 +46,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PeakMemory, child_env, free_port, median, stop_tree, tail  # noqa: E402
+from _common import PeakMemory, child_env, free_port, median, settle, stop_tree, tail  # noqa: E402
 
 from rlserve.sdk.client import Client, generate_request  # noqa: E402
 from rlserve.sdk.weight_sync import WeightSync  # noqa: E402
@@ -185,6 +185,7 @@ def sdk_seconds(
         sync = WeightSync(client, bucket_bytes=size, chunk_bytes=size if per_tensor else 2**30)
         sync.init()
         sync.sync(weights, "warm-up", staged=staged)
+        settle(server_pid)
         with GenerationLoad(target) if load else contextlib.nullcontext() as gen:
             idle = gen.tokens_per_s(IDLE_S) if gen else None
             windows = []
@@ -279,12 +280,15 @@ def moved(weights: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[
     return out
 
 
-def sparse_seconds(target: str, weights: dict[str, torch.Tensor], fraction: float, repeats: int) -> dict[str, float]:
+def sparse_seconds(
+    target: str, weights: dict[str, torch.Tensor], fraction: float, repeats: int, server_pid: int
+) -> dict[str, float]:
     with Client(target) as client:
         sync = WeightSync(client, bucket_bytes=BUCKET_BYTES)
         sync.init()
         sync.sync(weights, "sparse-base", patch=True)  # whole: the copy later patches diff against
         steps = [moved(weights, fraction, seed=100 + i) for i in range(repeats + 1)]
+        settle(server_pid)
         runs = [sync.sync(w, f"sparse-{i}", patch=True) for i, w in enumerate(steps)][1:]
         sync.close()
     return {**medians(runs), "num_bytes": runs[0].num_bytes}
@@ -378,8 +382,8 @@ def main() -> None:
             r["rlserve"] = sdk_seconds(target, weights, args.repeats, False, proc.pid, load=True)
             r["rlserve_paused"] = sdk_seconds(target, weights, args.repeats, False, proc.pid, staged=False)
             r["per_tensor"] = sdk_seconds(target, weights, max(1, args.repeats // 3), True, proc.pid)
-            r["sparse_1pct"] = sparse_seconds(target, weights, 0.01, args.repeats)
-            r["sparse_10pct"] = sparse_seconds(target, weights, 0.10, args.repeats)
+            r["sparse_1pct"] = sparse_seconds(target, weights, 0.01, args.repeats, proc.pid)
+            r["sparse_10pct"] = sparse_seconds(target, weights, 0.10, args.repeats, proc.pid)
         finally:
             stop_tree(proc.pid)
         proc, target = serve(model_dir, work, args.dtype, "rlserve_gloo", "--weight-update-mode", "in-place")
