@@ -70,7 +70,7 @@ class ServedWeights:
                 if site.is_alias:
                     entry = (site.module_name, site.param_name, loaded.param_name)
                     self._aliases.setdefault(loaded.module_name, []).append(entry)
-        self._modules = dict(model.named_modules())
+        self._module_by_name = dict(model.named_modules())
         self._kernel_holds_no_weights: dict[str, bool] = {}
         self._digests: dict[str, str] = {}
         self._inconsistent: set[str] = set()
@@ -137,7 +137,7 @@ class ServedWeights:
         still shows in the digests, which probe every time."""
         holds_none = self._kernel_holds_no_weights.get(layer)
         if holds_none is None:
-            holds_none = vllm_compat.kernel_holds_no_weights(self._modules[layer])
+            holds_none = vllm_compat.kernel_holds_no_weights(self._module_by_name[layer])
             self._kernel_holds_no_weights[layer] = holds_none
         return not holds_none
 
