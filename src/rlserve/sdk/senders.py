@@ -158,8 +158,8 @@ class TensorSender(Sender):
             # Every message at once: nothing is copied, so nothing waits for a buffer.
             posted = []
             for bucket in buckets:
-                sources = [tensors[chunk.tensors[i].name] for i, _ in bucket.placements]
-                posted.append([group.broadcast_async(_bytes(t)) for t in sources if t.numel()])
+                names = [chunk.tensors[i].name for i, _, _ in chunk.messages_of(bucket) if i is not None]
+                posted.append([group.broadcast_async(_bytes(tensors[name])) for name in names])
             for works, bucket in zip(posted, buckets):
                 for work in works:
                     work.wait()

@@ -279,12 +279,13 @@ class ChunkInfo:
             **({"messages": self.messages} if self.messages != "bucket" else {}),
         }
 
-    def messages_of(self, bucket: Bucket) -> list[tuple[int, int]]:
-        """(byte offset in the bucket, bytes) of each rlserve_gloo message that carries
-        `bucket`, in order: the whole bucket, or each of its tensors that has bytes."""
+    def messages_of(self, bucket: Bucket) -> list[tuple[int | None, int, int]]:
+        """(the tensor's index, None for the whole bucket; byte offset in the bucket; bytes)
+        of each rlserve_gloo message that carries `bucket`, in order: the whole bucket, or
+        each of its tensors that has bytes."""
         if self.messages == "bucket":
-            return [(0, bucket.num_bytes)]
-        return [(offset, self.tensors[i].num_bytes) for i, offset in bucket.placements if self.tensors[i].num_bytes]
+            return [(None, 0, bucket.num_bytes)]
+        return [(i, offset, self.tensors[i].num_bytes) for i, offset in bucket.placements if self.tensors[i].num_bytes]
 
 
 def _num_changed(name: str, raw: Any, shape: list[int]) -> int | None:

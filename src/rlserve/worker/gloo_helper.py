@@ -79,7 +79,7 @@ def receive(group: GlooGroup, request: dict[str, Any], landing: torch.Tensor, so
     buffers = [landing[start : start + bucket.num_bytes] for bucket, start in zip(buckets, starts)]
     # Post every receive at once; digest and report each bucket while later ones arrive.
     works = [
-        [group.broadcast_async(buffer[offset : offset + size]) for offset, size in info.messages_of(bucket)]
+        [group.broadcast_async(buffer[offset : offset + size]) for _, offset, size in info.messages_of(bucket)]
         for bucket, buffer in zip(buckets, buffers)
     ]
     for i, (bucket, buffer, messages) in enumerate(zip(buckets, buffers, works)):
