@@ -70,7 +70,6 @@ class ServedWeights:
                 if site.is_alias:
                     entry = (site.module_name, site.param_name, loaded.param_name)
                     self._aliases.setdefault(loaded.module_name, []).append(entry)
-        self._module_by_name = dict(model.named_modules())
         self._kernel_holds_no_weights: dict[str, bool] = {}
         self._digests: dict[str, str] = {}
         self._inconsistent: set[str] = set()
@@ -127,9 +126,10 @@ class ServedWeights:
         tensor of `layer` (a tied lm_head shares the embedding's weight)."""
         return self._aliases.get(layer, [])
 
-    def needs_processing(self, layer: str) -> bool:
-        """Whether a shadow of the served module `layer` goes through vLLM's processing after
-        loading. Not where the served kernel computes with the weight it is called with:
+    def needs_processing(self, layer: str, module: torch.nn.Module) -> bool:
+        """Whether a shadow of the served module `layer` (`module`) goes through vLLM's
+        processing after loading. Not where the served kernel computes with the weight it is
+        called with:
         vLLM picks a layer's kernel by its shape and dtype, which an update keeps, so it
         would pick that one again, after failing to pack (1 ms a layer on a CPU without
         native bf16), and that kernel holds nothing of the weights. Probed once per layer
@@ -137,7 +137,7 @@ class ServedWeights:
         still shows in the digests, which probe every time."""
         holds_none = self._kernel_holds_no_weights.get(layer)
         if holds_none is None:
-            holds_none = vllm_compat.kernel_holds_no_weights(self._module_by_name[layer])
+            holds_none = vllm_compat.kernel_holds_no_weights(module)
             self._kernel_holds_no_weights[layer] = holds_none
         return not holds_none
 

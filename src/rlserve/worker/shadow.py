@@ -130,7 +130,7 @@ class ShadowUpdate:
     def _process(self, layer: str) -> None:
         shadow = self._shadow[layer]
         _fill_unloaded(shadow, self._live[layer], layer)
-        if self._served.needs_processing(layer):
+        if self._served.needs_processing(layer, self._live[layer]):
             vllm_compat.process_after_loading(shadow)
         done = [layer]
         self._ready[layer] = shadow
@@ -142,7 +142,7 @@ class ShadowUpdate:
             own = {**table(served, PARAMETERS), alias_param: table(shadow, PARAMETERS)[owner_param]}
             set_table(tied, PARAMETERS, own)
             set_table(tied, BUFFERS, dict(table(served, BUFFERS)))
-            if self._served.needs_processing(alias):
+            if self._served.needs_processing(alias, served):
                 vllm_compat.process_after_loading(tied)
             self._ready[alias] = tied
             done.append(alias)
@@ -250,7 +250,7 @@ def _signature(loader: Any) -> inspect.Signature:
     function = loader.__func__ if isinstance(loader, MethodType) else loader
     try:
         signature = _SIGNATURES.get(function)
-    except TypeError:  # not weakly referable (a builtin): not remembered
+    except TypeError:  # not weakly referable or not hashable: not remembered
         return inspect.signature(loader)
     if signature is None:
         signature = _SIGNATURES[function] = inspect.signature(function)
