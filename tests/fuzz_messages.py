@@ -34,7 +34,7 @@ INTS = {
 # Keys the server reads in each JSON payload, so that generated objects get past "unknown key".
 JSON_KEYS = {
     "init_info_json": ["master_address", "master_port", "rank_offset", "world_size", "timeout_s"],
-    "update_info_json": ["names", "dtype_names", "shapes", "checksums", "bucket_bytes"],
+    "update_info_json": ["names", "dtype_names", "shapes", "checksums", "bucket_bytes", "messages"],
 }
 
 

@@ -308,7 +308,8 @@ class ControlServicer:
 
     def UpdateWeights(self, request, context):
         """Receive one chunk described by update_info_json (for rlserve_gloo: names, dtype_names,
-        shapes, checksums, bucket_bytes, and for sparse patches num_changed and
+        shapes, checksums, bucket_bytes, messages ("bucket", the default: a gloo message per
+        bucket; "tensor": one per tensor), and for sparse patches num_changed and
         base_weight_version; rlserve_shm adds segment_offset, where the chunk lies in the
         trainer's segment) while the trainer sends it on the backend's transport.
         A partial update is fine: the other tensors of a fused layer it touches are completed
