@@ -66,6 +66,29 @@ def _kernels_compute_with_their_parameters(worker) -> list[tuple[str, bool]]:
     return out
 
 
+def _record_processing(worker) -> None:
+    """From now on, note each layer vLLM's processing runs on, and whether its kernel computes
+    with the weight it is called with (it had nothing to pack)."""
+    from rlserve.worker import vllm_compat
+
+    original = vllm_compat.__dict__.get("_unrecorded", vllm_compat.process_after_loading)
+    seen: list[tuple[str, bool]] = []
+
+    def recording(layer):
+        seen.append((type(layer).__name__, vllm_compat.kernel_holds_no_weights(layer)))
+        original(layer)
+
+    vllm_compat._unrecorded, vllm_compat._processed = original, seen
+    vllm_compat.process_after_loading = recording
+
+
+def _processing_recorded(worker) -> list[tuple[str, bool]]:
+    from rlserve.worker import vllm_compat
+
+    vllm_compat.process_after_loading = vllm_compat.__dict__.pop("_unrecorded")
+    return vllm_compat.__dict__.pop("_processed")
+
+
 async def test_a_staged_sync_serves_what_was_sent_with_kernels_that_compute_it(s, engines, tiny_model_dir):
     """Back on the checkpoint after two syncs, the server generates what vLLM's own load of
     it generated (no other module uses this engine)."""
@@ -84,3 +107,16 @@ async def test_a_staged_sync_serves_what_was_sent_with_kernels_that_compute_it(s
     (layers,) = await engine.llm.collective_rpc(_kernels_compute_with_their_parameters)
     assert all(ok for _, ok in layers)
     assert await greedy(s.inference) == loaded_by_vllm
+
+
+async def test_a_layer_with_nothing_to_pack_is_not_processed_again(s, engines, tiny_model_dir):
+    """vLLM would try to pack it first and fail (on a CPU without native bf16, 1 ms for each
+    linear layer): its served kernel is kept. Where bf16 packs, nothing is skipped."""
+    engine = await engines.get(**FIELDS)
+    await engine.llm.collective_rpc(_record_processing)
+    try:
+        await asyncio.to_thread(staged_sync, s.target, bf16(perturbed(tiny_model_dir, seed=62)), "bf16-0")
+    finally:
+        (processed,) = await engine.llm.collective_rpc(_processing_recorded)
+    assert processed  # the norms and the embedding at least
+    assert [kind for kind, nothing_to_pack in processed if nothing_to_pack] == []
