@@ -37,13 +37,13 @@ async def rlserve_process(
     model: Path, grace_s: float
 ) -> AsyncIterator[tuple[subprocess.Popen, grpc.aio.Channel, ProcessLog]]:
     """A server in a process group of its own (so the test can signal the whole group), and
-    its log."""
+    its log (both streams: vLLM logs to stdout)."""
     port = free_port()
     command = [sys.executable, "-m", "rlserve.cli", "serve", "--model", str(model), "--port", str(port)]
     command += ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", "0.5"]
     command += ["--shutdown-grace-s", str(grace_s)]
     log = ProcessLog("serve")
-    proc = subprocess.Popen(command, process_group=0, stdout=subprocess.DEVNULL, stderr=log.file)
+    proc = subprocess.Popen(command, process_group=0, stdout=log.file, stderr=log.file)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
@@ -95,6 +95,10 @@ async def test_sigterm_to_the_whole_process_group_drains_in_flight_streams(tiny_
         # stopped, used to log the engine's death with a traceback.
         said = log.text()
         assert "Traceback" not in said and " ERROR " not in said, said[-3000:]
+        # The engine core exits on its own, not SIGKILLed by vLLM 5 s after its SIGTERM (the
+        # last garbage collection of its exit walked its whole heap: rlserve.worker.lifetime).
+        assert re.search(r"engine process \S+ exited cleanly", said), said[-3000:]
+        assert not re.search(r"engine process \S+ (ended with|is still running)", said), said[-3000:]
         # Start-up's heap was frozen once serving: a full collection no longer walks it.
         frozen = re.search(r"(\d+) start-up objects frozen", said)
         assert frozen and int(frozen[1]) > 100_000, said[-3000:]

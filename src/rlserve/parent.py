@@ -1,5 +1,5 @@
 """The end of the process that started this one, one rule for every side: this process is then
-re-parented, so its parent id changes. Polled, because Linux offers no portable notice to a
+re-parented, so its parent id changes. And how a process ended, in words. Polled, because Linux offers no portable notice to a
 process that is not the parent's child reaper. Used by `rlserve serve --exit-with-parent` (on
 its event loop) and by vLLM's own processes (`rlserve.worker.lifetime`, in a thread)."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 
 POLL_S = 0.5
@@ -22,3 +23,14 @@ async def parent_exited(parent: int, poll_s: float = POLL_S) -> None:
     """`wait_for_parent_exit` on an event loop."""
     while os.getppid() == parent:
         await asyncio.sleep(poll_s)
+
+
+def how_it_ended(code: int) -> str:
+    """A process's exit code (multiprocessing's and subprocess's: negative for the signal
+    that ended it) in words: "exit status 1", "signal SIGKILL"."""
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        return f"signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"signal {-code}"

@@ -31,7 +31,7 @@ from rlserve.engine.load import LoadBoard, NoPrometheus
 from rlserve.engine.outputs import OutputTranslator, aborted_before_start
 from rlserve.engine.process_group import engine_in_own_group
 from rlserve.engine.sampling import ModelLimits, build_prompt_token_ids, build_sampling_params, refused_by_vllm
-from rlserve.engine.shared import FrontendClient
+from rlserve.engine.shared import FrontendClient, log_engine_exits
 from rlserve.engine.stream import RequestStream
 from rlserve.engine.transport import WeightTransport, make_transport
 from rlserve.errors import CapabilityMissing, EngineUnavailable, InvalidRequest, UnknownModel
@@ -188,6 +188,7 @@ class EngineAdapter:
     def shutdown(self) -> None:
         self.monitor.stop()
         self._llm.shutdown()
+        log_engine_exits(vllm_compat.engine_manager(self._llm))
 
     async def close(self) -> None:
         """Before `shutdown`, on the event loop, once every request has ended."""

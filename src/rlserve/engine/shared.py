@@ -25,10 +25,12 @@ from vllm import AsyncEngineArgs
 from rlserve.engine.process_group import engine_in_own_group
 from rlserve.engine.vllm_compat import (
     bind_frontend_sockets,
+    engine_exit_codes,
     engine_sentinels,
     frontend_engine_config,
     launch_engine_cores,
 )
+from rlserve.parent import how_it_ended
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,18 @@ class SharedEngine:
         self._closing.set()
         if self._manager is not None:
             self._manager.shutdown()
+            log_engine_exits(self._manager)
         if self._coordinator is not None:
             self._coordinator.shutdown()
         self._listeners.cleanup()
+
+
+def log_engine_exits(manager: Any) -> None:
+    """After a shutdown: how each engine process ended (vLLM SIGKILLs one still running 5 s
+    after it sent SIGTERM)."""
+    for name, code in engine_exit_codes(manager).items():
+        if code == 0:
+            logger.info("engine process %s exited cleanly", name)
+        else:
+            ended = "is still running" if code is None else f"ended with {how_it_ended(code)}"
+            logger.warning("engine process %s %s", name, ended)

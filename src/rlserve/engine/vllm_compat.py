@@ -22,7 +22,8 @@ from rlserve.config import check_vllm_version
 REACHES = (
     "AsyncEngineArgs._api_process_count / _api_process_rank (several frontends)",
     "vllm.v1.engine.utils.bind_engine_zmq_listeners / launch_core_engines (several frontends)",
-    "CoreEngineProcManager.sentinels (a shared engine's exit)",
+    "CoreEngineProcManager.sentinels / .processes (a shared engine's exit; how each engine process ended)",
+    "AsyncLLM.engine_core.resources.engine_manager (how the engine processes it started ended)",
     "AsyncLLM.engine_core: pause_scheduler_async, reset_prefix_cache_async, abort_requests_async, "
     "call_utility_all_async (pause without a fixed sleep, per-engine state, collective_rpc)",
     "AsyncLLM.output_handler (a clean shutdown)",
@@ -66,6 +67,21 @@ def engine_sentinels(manager: Any) -> list[Any]:
     """The engine processes' sentinels, readable once one exits; none for managers that do not
     run local processes (Ray's), which rlserve never launches."""
     return manager.sentinels() if isinstance(manager, CoreEngineProcManager) else []
+
+
+def engine_exit_codes(manager: Any) -> dict[str, int | None]:
+    """Per engine process `manager` launched, by vLLM's name for it: its exit code (negative:
+    the signal that ended it; None: still running). Empty for managers that run no local
+    processes."""
+    if not isinstance(manager, CoreEngineProcManager):
+        return {}
+    return {proc.name: proc.exitcode for proc in manager.processes}
+
+
+def engine_manager(llm: Any) -> Any:
+    """The launch record of the engine processes `llm` started itself (None when it connected
+    to engines another process launched)."""
+    return getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
 
 
 # Past AsyncLLM to its engine-core client (rlserve.engine.adapter, rlserve.engine.transport) ---

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from rlserve.parent import how_it_ended
 from rlserve.wire.protocol import (
     SHM_DIR,
     ChunkInfo,
@@ -243,9 +243,9 @@ class GlooLink:
             raise WorkerError(ErrorCode.TIMEOUT, f"the transfer helper did not answer in time: {e}") from e
         if not line:
             code = self._process.wait()
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
             raise WorkerError(
-                ErrorCode.TIMEOUT, f"the transfer helper ended ({how}): the trainer broke the protocol or went away"
+                ErrorCode.TIMEOUT,
+                f"the transfer helper ended ({how_it_ended(code)}): the trainer broke the protocol or went away",
             )
         reply = json.loads(line)
         if not reply["ok"]:

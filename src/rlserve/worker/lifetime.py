@@ -1,6 +1,6 @@
 """vLLM general plugin (entry point `vllm.general_plugins`): a vLLM process that
 multiprocessing started (the engine core, its workers) ends when the process that started it
-ends, however that one ended.
+ends, however that one ended, and ends promptly once it is told to.
 
 vLLM's workers watch their engine core (a pipe), but the engine core does not watch the
 frontend: a frontend killed with SIGKILL (an OOM kill, a Ray actor torn down, `kill -9`)
@@ -8,10 +8,20 @@ leaves the engine core and its workers running, holding the model's memory and c
 nothing left to talk to. Here each such process watches its parent (`rlserve.parent`); once
 that is gone, the process is sent SIGTERM, which vLLM handles as a shutdown (its workers follow through their pipe), and
 SIGKILL if it is still there `GRACE_S` later.
+
+Told to stop, vLLM's frontend sends its engine core SIGTERM and SIGKILLs it 5 s later. The
+engine core's teardown took 2.5-3 s on a 2-core AVX2 CPU, and then its interpreter's last
+garbage collection walked every object it still held, the whole of torch and vLLM (vLLM
+unfreezes its start-up heap as it shuts down), past those 5 s: every engine was SIGKILLed
+("force killing remaining process EngineCore"), and every shutdown took the full 5 s. At exit
+these processes now freeze what they hold first, so that collection has nothing to walk (the
+memory goes back with the process): a shutdown takes 1.4 s and ends with exit code 0.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import multiprocessing
 import os
@@ -33,6 +43,7 @@ def register() -> None:
     if multiprocessing.parent_process() is None or _started.is_set():
         return
     _started.set()
+    atexit.register(gc.freeze)
     threading.Thread(
         target=_exit_with_parent, args=(os.getppid(),), name="rlserve-exit-with-parent", daemon=True
     ).start()
