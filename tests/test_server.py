@@ -108,6 +108,9 @@ async def test_health_not_serving_then_serving_then_not_serving(engine, engine_c
         await stream.read()
         stopping = asyncio.create_task(srv.stop())
         assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        # The watch then ends, so it does not hold the shutdown for the whole grace period.
+        assert await watch.read() == grpc.aio.EOF
+        assert await watch.code() == grpc.StatusCode.OK
         rest = await read_rest(stream)
         assert rest[-1].outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH
         await stopping

@@ -22,8 +22,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from grpc_health.v1 import health, health_pb2
-
 from rlserve.config import ServeConfig, is_loopback
 from rlserve.engine.adapter import EngineAdapter
 from rlserve.engine.shared import FrontendClient
@@ -36,6 +34,7 @@ from rlserve.parent import parent_exited
 from rlserve.server import listeners
 from rlserve.server.control import ControlServicer
 from rlserve.server.frontends import PROCESS_TITLE, Frontends
+from rlserve.server.health import NOT_SERVING, SERVING, Health
 from rlserve.server.inference import InferenceServicer
 from rlserve.server.lifecycle import LifecycleServicer
 from rlserve.server.metrics import Metrics, MetricsEndpoint
@@ -45,8 +44,6 @@ logger = logging.getLogger(__name__)
 
 # Requests still running this long before the shutdown grace ends are aborted.
 ABORT_MARGIN_S = 1.0
-
-SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class RlserveServer:
@@ -58,7 +55,7 @@ class RlserveServer:
         self.slot = EngineSlot()
         self._owns_engine = False
         self._frontends: Frontends | None = None
-        self._health = health.aio.HealthServicer()
+        self._health = Health()
         self._health_task: asyncio.Task[None] | None = None
         self.metrics = Metrics()
         # Set by Control/Shutdown; `serve` then stops as on SIGTERM.

@@ -26,6 +26,7 @@ from rlserve.config import AUTH_TOKENS_ENV, SecurityConfig, ServeConfig
 from rlserve.server import reflection
 from rlserve.server.access import AccessInterceptor
 from rlserve.server.auth import CredentialSource, Listener
+from rlserve.server.health import Health
 
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 CONTROL_SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
@@ -47,7 +48,7 @@ class Servicers:
     inference: inference_pb2_grpc.InferenceServicer
     control: control_pb2_grpc.ControlServicer
     lifecycle: lifecycle_pb2_grpc.LifecycleServicer
-    health: health.aio.HealthServicer
+    health: Health
 
 
 @dataclass
