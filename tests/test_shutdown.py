@@ -95,8 +95,9 @@ async def test_sigterm_to_the_whole_process_group_drains_in_flight_streams(tiny_
         # stopped, used to log the engine's death with a traceback.
         said = log.text()
         assert "Traceback" not in said and " ERROR " not in said, said[-3000:]
-        # The engine core exits on its own, not SIGKILLed by vLLM 5 s after its SIGTERM (the
-        # last garbage collection of its exit walked its whole heap: rlserve.worker.lifetime).
+        # The server says how its engine processes ended: cleanly, not SIGKILLed by vLLM 5 s
+        # after its SIGTERM (what keeps them within it: rlserve.worker.lifetime, whose test is
+        # tests/test_lifetime.py; here they had got out just in time before it).
         assert re.search(r"engine process \S+ exited cleanly", said), said[-3000:]
         assert not re.search(r"engine process \S+ (ended with|is still running)", said), said[-3000:]
         # Start-up's heap was frozen once serving: a full collection no longer walks it.

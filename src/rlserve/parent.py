@@ -1,7 +1,8 @@
 """The end of the process that started this one, one rule for every side: this process is then
-re-parented, so its parent id changes. And how a process ended, in words. Polled, because Linux offers no portable notice to a
+re-parented, so its parent id changes. Polled, because Linux offers no portable notice to a
 process that is not the parent's child reaper. Used by `rlserve serve --exit-with-parent` (on
-its event loop) and by vLLM's own processes (`rlserve.worker.lifetime`, in a thread)."""
+its event loop) and by vLLM's own processes (`rlserve.worker.lifetime`, in a thread). Also
+how a process ended, in words (`how_it_ended`)."""
 
 from __future__ import annotations
 

@@ -12,10 +12,11 @@ SIGKILL if it is still there `GRACE_S` later.
 Told to stop, vLLM's frontend sends its engine core SIGTERM and SIGKILLs it 5 s later. The
 engine core's teardown took 2.5-3 s on a 2-core AVX2 CPU, and then its interpreter's last
 garbage collection walked every object it still held, the whole of torch and vLLM (vLLM
-unfreezes its start-up heap as it shuts down), past those 5 s: every engine was SIGKILLed
-("force killing remaining process EngineCore"), and every shutdown took the full 5 s. At exit
-these processes now freeze what they hold first, so that collection has nothing to walk (the
-memory goes back with the process): a shutdown takes 1.4 s and ends with exit code 0.
+unfreezes its start-up heap as it shuts down), to about those 5 s: an engine in the tests'
+process was SIGKILLed ("force killing remaining process EngineCore"), one under `rlserve
+serve` got out just before, and every shutdown took about 5 s. At exit these processes now
+freeze what they hold first, so that collection has nothing to walk (the memory goes back
+with the process): a shutdown takes 1.4 s there.
 """
 
 from __future__ import annotations
