@@ -75,8 +75,13 @@ def test_a_processed_shadow_computes_with_its_new_weight_and_the_served_layer_wi
 
 
 def test_a_kernel_that_computes_with_its_argument_is_not_processed_again():
-    served, shadow, _, new = served_and_shadow(torch.bfloat16)
-    served.cpu_linear = shadow.cpu_linear = lambda x, w, b: torch.nn.functional.linear(x, w, b)
+    """The layer as vLLM leaves one it cannot pack (its parameter kept, `F.linear` as its
+    kernel), built so on any CPU: vLLM packs bf16 where the CPU has AVX-512 BF16 or AMX."""
+    old, new = weights(0, torch.bfloat16), weights(1, torch.bfloat16)
+    served = Layer(old)
+    served.cpu_linear = lambda x, w, b: torch.nn.functional.linear(x, w, b)
+    shadow = copy.copy(served)
+    shadow._parameters = {"weight": torch.nn.Parameter(new.clone(), requires_grad=False)}
     kernel = served.cpu_linear
     before = served.quant_method.processed
     process(shadow, served)
