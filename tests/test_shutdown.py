@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
+import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlserve.api.vllm import control_pb2 as cpb
@@ -32,34 +33,69 @@ from helpers import KEEP, ProcessLog, eventually, kill_tree, long_request, pause
 START_S = 180
 
 
-@contextlib.asynccontextmanager
-async def rlserve_process(
-    model: Path, grace_s: float
-) -> AsyncIterator[tuple[subprocess.Popen, grpc.aio.Channel, ProcessLog]]:
-    """A server in a process group of its own (so the test can signal the whole group), and
-    its log (both streams: vLLM logs to stdout)."""
-    port = free_port()
-    command = [sys.executable, "-m", "rlserve.cli", "serve", "--model", str(model), "--port", str(port)]
-    command += ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", "0.5"]
-    command += ["--shutdown-grace-s", str(grace_s)]
-    log = ProcessLog("serve")
-    proc = subprocess.Popen(command, process_group=0, stdout=log.file, stderr=log.file)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+class Server:
+    """`rlserve serve` launched now in a process group of its own (so the test can signal the
+    whole group), waited for later; its log takes both streams (vLLM logs to stdout)."""
+
+    def __init__(self, model: Path, grace_s: float) -> None:
+        self.port = free_port()
+        command = [sys.executable, "-m", "rlserve.cli", "serve", "--model", str(model), "--port", str(self.port)]
+        command += ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", "0.5"]
+        command += ["--shutdown-grace-s", str(grace_s)]
+        self.log = ProcessLog("serve")
+        self.proc = subprocess.Popen(command, process_group=0, stdout=self.log.file, stderr=self.log.file)
+
+    async def serving(self) -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{self.port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
             deadline = time.monotonic() + START_S
             while True:
-                assert proc.poll() is None, log.tail()
+                assert self.proc.poll() is None, self.log.tail()
                 assert time.monotonic() < deadline, "the server did not start"
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=2)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        break
+                        return
                 await asyncio.sleep(0.5)
-            yield proc, channel, log
+
+    def close(self) -> None:
+        kill_tree(self.proc)
+        self.log.close()
+
+
+@contextlib.asynccontextmanager
+async def launched(*servers: Server | Launcher) -> AsyncIterator[None]:
+    """Servers launched together, once all serve; killed when the block ends. A start is
+    mostly one core importing vLLM in three processes in a row: here two at once took 1.4x
+    one start (four at once, 3x), so this module starts its tests' servers in pairs."""
+    try:
+        await asyncio.gather(*(s.serving() for s in servers))
+        yield
     finally:
-        kill_tree(proc)
-        log.close()
+        for server in servers:
+            server.close()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def drain_servers(tiny_model_dir):
+    """The servers of the two drain tests (grace periods of 20 s and 4 s)."""
+    servers = [Server(tiny_model_dir, 20), Server(tiny_model_dir, 4)]
+    async with launched(*servers):
+        yield servers
+
+
+@pytest_asyncio.fixture(scope="module")
+async def killed_servers(tiny_model_dir, tmp_path_factory):
+    """The servers of the two kill tests: one to be SIGKILLed, and one under a launcher."""
+    server, launcher = Server(tiny_model_dir, 5), Launcher(tiny_model_dir, tmp_path_factory.mktemp("launcher"))
+    async with launched(server, launcher):
+        yield server, launcher
+
+
+@contextlib.asynccontextmanager
+async def connected(server: Server) -> AsyncIterator[tuple[subprocess.Popen, grpc.aio.Channel, ProcessLog]]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield server.proc, channel, server.log
 
 
 def engine_processes(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -76,8 +112,8 @@ def left_behind(processes: list[psutil.Process], timeout_s: float = 10) -> list[
     return alive
 
 
-async def test_sigterm_to_the_whole_process_group_drains_in_flight_streams(tiny_model_dir):
-    async with rlserve_process(tiny_model_dir, grace_s=20) as (proc, channel, log):
+async def test_sigterm_to_the_whole_process_group_drains_in_flight_streams(drain_servers):
+    async with connected(drain_servers[0]) as (proc, channel, log):
         inference = inference_pb2_grpc.InferenceStub(channel)
         engine = engine_processes(proc)
         assert engine and all(os.getpgid(p.pid) != proc.pid for p in engine), "the engine has a group of its own"
@@ -105,9 +141,9 @@ async def test_sigterm_to_the_whole_process_group_drains_in_flight_streams(tiny_
         assert frozen and int(frozen[1]) > 100_000, said[-3000:]
 
 
-async def test_sigterm_ends_held_requests_aborted_before_the_grace_runs_out(tiny_model_dir):
+async def test_sigterm_ends_held_requests_aborted_before_the_grace_runs_out(drain_servers):
     grace_s = 4.0
-    async with rlserve_process(tiny_model_dir, grace_s=grace_s) as (proc, channel, log):
+    async with connected(drain_servers[1]) as (proc, channel, log):
         inference, control = inference_pb2_grpc.InferenceStub(channel), control_pb2_grpc.ControlStub(channel)
         engine = engine_processes(proc)
         await pause(control, KEEP)
@@ -124,16 +160,16 @@ async def test_sigterm_ends_held_requests_aborted_before_the_grace_runs_out(tiny
             await control.ResumeGeneration(cpb.ResumeGenerationRequest(), timeout=2)
 
 
-async def test_a_server_killed_outright_leaves_no_engine_behind(tiny_model_dir):
+async def test_a_server_killed_outright_leaves_no_engine_behind(killed_servers):
     """SIGKILL to the server alone (an OOM kill, `kill -9`): nothing can run in it, so its
     engine core notices it is gone (rlserve's vLLM plugin) and shuts down with its workers."""
-    async with rlserve_process(tiny_model_dir, grace_s=5) as (proc, _, _log):
-        engine = engine_processes(proc)
-        assert any("EngineCor" in p.name() for p in engine)
-        proc.kill()
-        assert await exited(proc, 10) == -signal.SIGKILL
-        alive = await asyncio.to_thread(left_behind, engine, 30)
-        assert not alive, [p.name() for p in alive]
+    proc = killed_servers[0].proc
+    engine = engine_processes(proc)
+    assert any("EngineCor" in p.name() for p in engine)
+    proc.kill()
+    assert await exited(proc, 10) == -signal.SIGKILL
+    alive = await asyncio.to_thread(left_behind, engine, 30)
+    assert not alive, [p.name() for p in alive]
 
 
 LAUNCHER = """
@@ -148,25 +184,46 @@ time.sleep(3600)
 """
 
 
-async def test_a_launched_server_shuts_down_when_its_launcher_dies(tiny_model_dir, tmp_path):
-    """`rlserve.sdk.launch.ServerProcess` (what the demo and each Ray actor run) starts the server
-    with --exit-with-parent: when the launcher is SIGKILLed, the server shuts down gracefully
-    on its own and its engine with it."""
-    log = tmp_path / "server.log"
-    args = ["--model", str(tiny_model_dir), "--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]
-    launcher = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", LAUNCHER, str(log), *args, "--kv-cache-gib", "0.25", stdout=asyncio.subprocess.PIPE
-    )
-    try:
-        server = psutil.Process(int(await asyncio.wait_for(launcher.stdout.readline(), 30)))
-        assert await asyncio.wait_for(launcher.stdout.readline(), START_S) == b"serving\n", log.read_text()[-3000:]
-        tree = [server, *server.children(recursive=True)]
-        launcher.kill()
-        await launcher.wait()
-        alive = await asyncio.to_thread(left_behind, tree, 30)
-        assert not alive, [p.name() for p in alive]
-        text = log.read_text()
-        assert "exited: shutting down" in text and "shutting down: draining" in text, text[-3000:]
-    finally:
-        if launcher.returncode is None:
-            launcher.kill()
+class Launcher:
+    """A process that starts `rlserve serve` through `rlserve.sdk.launch.ServerProcess` (what
+    the demo and each Ray actor run, with --exit-with-parent), says the server's pid, and
+    says "serving" once it serves; the server's log is `log`."""
+
+    def __init__(self, model: Path, tmp_path: Path) -> None:
+        self.log = tmp_path / "server.log"
+        args = ["--model", str(model), "--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", LAUNCHER, str(self.log), *args, "--kv-cache-gib", "0.25"], stdout=subprocess.PIPE
+        )
+        self.server: psutil.Process | None = None
+
+    async def serving(self) -> None:
+        assert self.proc.stdout is not None
+        readline = self.proc.stdout.readline
+        self.server = psutil.Process(int(await asyncio.wait_for(asyncio.to_thread(readline), 30)))
+        said = await asyncio.wait_for(asyncio.to_thread(readline), START_S)
+        assert said == b"serving\n", self.log.read_text()[-3000:]
+
+    def close(self) -> None:
+        if self.server is not None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for child in self.server.children(recursive=True):
+                    child.kill()
+                self.server.kill()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+async def test_a_launched_server_shuts_down_when_its_launcher_dies(killed_servers):
+    """`ServerProcess` starts the server with --exit-with-parent: when the launcher is
+    SIGKILLed, the server shuts down gracefully on its own and its engine with it."""
+    launcher = killed_servers[1]
+    server = launcher.server
+    tree = [server, *server.children(recursive=True)]
+    launcher.proc.kill()
+    await asyncio.to_thread(launcher.proc.wait)
+    alive = await asyncio.to_thread(left_behind, tree, 30)
+    assert not alive, [p.name() for p in alive]
+    text = launcher.log.read_text()
+    assert "exited: shutting down" in text and "shutting down: draining" in text, text[-3000:]
