@@ -56,16 +56,36 @@ cloudpickle.register_pickle_by_value(worker_faults)
 TIMEOUT_S = 10.0
 
 
+@pytest.fixture(scope="module")
+def doomed(tiny_model_dir):
+    """`rlserve serve` in a process of its own, for the test that kills it; launched first, so
+    that it starts while this module's engine does (a start is mostly one core importing
+    vLLM), and serving before the first test (`servers`). Killed at the end if still alive."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "rlserve", "serve", "--model", str(tiny_model_dir), "--port", str(port),
+        "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", "0.25",
+        "--weight-transfer-backend", "rlserve_gloo", "--transfer-timeout-s", str(TIMEOUT_S),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0)
+    try:
+        yield proc, f"127.0.0.1:{port}"
+    finally:
+        kill_tree(proc)
+
+
 @pytest_asyncio.fixture(scope="module")
-async def members(engines, wt_engine):
+async def members(doomed, engines, wt_engine):
     """The session's gloo engine and one of this module's own."""
     async with engines.own(weight_transfer_backend="rlserve_gloo", kv_cache_gib=0.25) as other:
         yield wt_engine, other
 
 
 @pytest_asyncio.fixture(scope="module")
-async def servers(members, engine_config):
+async def servers(members, engine_config, doomed):
     config = gloo_config(engine_config, transfer_timeout_s=TIMEOUT_S)
+    with Client(doomed[1]) as client:
+        await asyncio.to_thread(client.wait_ready, 300)
     async with serving(members[0], config) as a, serving(members[1], config) as b:
         yield a, b
 
@@ -332,25 +352,6 @@ async def test_routing_keeps_sessions_and_skips_a_paused_server(servers):
             await b.control.ResumeGeneration(cpb.ResumeGenerationRequest())
 
 
-@contextlib.asynccontextmanager
-async def server_process(model_dir):
-    """`rlserve serve` in a process of its own, to be killed."""
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "rlserve", "serve", "--model", str(model_dir), "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", "0.25",
-        "--weight-transfer-backend", "rlserve_gloo", "--transfer-timeout-s", str(TIMEOUT_S),
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0)
-    try:
-        client = Client(f"127.0.0.1:{port}")
-        await asyncio.to_thread(client.wait_ready, 300)
-        client.close()
-        yield proc, f"127.0.0.1:{port}"
-    finally:
-        kill_tree(proc)
-
-
 class _KillAtCommit(grpc.UnaryUnaryClientInterceptor):
     """A test double for a server that dies at its commit: kills the server and its engine
     just as FinishWeightUpdate is sent to it (a real death; only its moment is chosen)."""
@@ -364,33 +365,35 @@ class _KillAtCommit(grpc.UnaryUnaryClientInterceptor):
         return continuation(details, request)
 
 
-async def test_a_server_killed_at_its_commit_is_dropped_and_the_others_serve_the_new_version(servers, tiny_model_dir):
+async def test_a_server_killed_at_its_commit_is_dropped_and_the_others_serve_the_new_version(
+    servers, doomed, tiny_model_dir
+):
     a, b = servers
-    async with server_process(tiny_model_dir) as (proc, target):
-        doomed = Client(target, channel=grpc.intercept_channel(grpc.insecure_channel(target), _KillAtCommit(proc)))
-        weights = perturbed(tiny_model_dir, seed=18)
-        with Fleet([Client(a.target), Client(b.target), doomed], timeout_s=TIMEOUT_S) as fleet:
-            # Requests in flight while the server dies: every one ends, with a result or an error.
-            rollouts = asyncio.ensure_future(
-                asyncio.to_thread(fleet.generate_many, ["Tell me a story"] * 24, max_new_tokens=64)
-            )
-            with pytest.raises(FleetSyncError) as e:
-                await asyncio.to_thread(fleet.sync, weights, "survivors")
-            results = await rollouts
-            assert len(results) == 24
-            assert all(not isinstance(r, BaseException) or isinstance(r, grpc.RpcError) for r in results)
-            assert set(e.value.committed) == {a.target, b.target} and e.value.dropped == (target,)
-            outcome = e.value.outcomes[target]
-            assert outcome.code == grpc.StatusCode.UNAVAILABLE and outcome.message.startswith("commit failed")
-            assert fleet.servers == (a.target, b.target) and fleet.dropped[0].server == target
-            for s in servers:
-                st = await state(s)
-                assert st.weight_version == "survivors" and st.pause_phase == lpb.PAUSE_PHASE_RUNNING
-                assert await served(s) == digests_of(weights)
-            # The fleet goes on without it: a new group of the two that are left.
-            await asyncio.to_thread(fleet.sync, checkpoint(tiny_model_dir), "checkpoint")
-            routed = await asyncio.to_thread(fleet.generate_many, ["Hi"] * 8, max_new_tokens=2)
-            assert {r.server for r in routed} <= {a.target, b.target}
+    proc, target = doomed
+    dying = Client(target, channel=grpc.intercept_channel(grpc.insecure_channel(target), _KillAtCommit(proc)))
+    weights = perturbed(tiny_model_dir, seed=18)
+    with Fleet([Client(a.target), Client(b.target), dying], timeout_s=TIMEOUT_S) as fleet:
+        # Requests in flight while the server dies: every one ends, with a result or an error.
+        rollouts = asyncio.ensure_future(
+            asyncio.to_thread(fleet.generate_many, ["Tell me a story"] * 24, max_new_tokens=64)
+        )
+        with pytest.raises(FleetSyncError) as e:
+            await asyncio.to_thread(fleet.sync, weights, "survivors")
+        results = await rollouts
+        assert len(results) == 24
+        assert all(not isinstance(r, BaseException) or isinstance(r, grpc.RpcError) for r in results)
+        assert set(e.value.committed) == {a.target, b.target} and e.value.dropped == (target,)
+        outcome = e.value.outcomes[target]
+        assert outcome.code == grpc.StatusCode.UNAVAILABLE and outcome.message.startswith("commit failed")
+        assert fleet.servers == (a.target, b.target) and fleet.dropped[0].server == target
+        for s in servers:
+            st = await state(s)
+            assert st.weight_version == "survivors" and st.pause_phase == lpb.PAUSE_PHASE_RUNNING
+            assert await served(s) == digests_of(weights)
+        # The fleet goes on without it: a new group of the two that are left.
+        await asyncio.to_thread(fleet.sync, checkpoint(tiny_model_dir), "checkpoint")
+        routed = await asyncio.to_thread(fleet.generate_many, ["Hi"] * 8, max_new_tokens=2)
+        assert {r.server for r in routed} <= {a.target, b.target}
 
 
 # A trainer that dies the moment every server has voted (a real SIGKILL; a test double only
