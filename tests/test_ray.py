@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import psutil
@@ -21,21 +22,56 @@ from rlserve.api.rlserve.v1 import lifecycle_pb2 as lpb
 from rlserve.api.rlserve.v1 import lifecycle_pb2_grpc
 from rlserve.sdk.client import Client, generate_request
 from rlserve.sdk.fleet import FleetError
+from rlserve.sdk.launch import free_port
 from rlserve.wire.protocol import tensor_checksum
 
-from helpers import perturbed
+from helpers import ProcessLog, kill_tree, perturbed
 
+RAY = str(Path(sys.executable).with_name("ray"))
 SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", "0.25")
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray instance with two CPUs; its address lets another driver join it."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 << 20)
+    """A local Ray instance with two CPUs, started by `ray start --head` in a process of its own;
+    this process joins it, and its address lets another driver join it too. Started here by
+    `ray.init()`, Ray forks its processes from this one, which runs many threads by then (the
+    session's engines, gRPC), with a Python `preexec_fn` in the child, which Python documents
+    can deadlock before the child runs anything. A full run once failed at that start: the
+    raylet, forked last, never wrote its first log line, and ray.init gave up after 30 s (that
+    deadlock is the likely cause; the child was gone before it could be looked at). Ray's token
+    authentication is off for this local test cluster: a driver joining by address does not
+    take the token `ray start` writes."""
+    port, log = gcs_port(), ProcessLog("ray-head")
+    head = subprocess.Popen(
+        [RAY, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2", "--include-dashboard", "false",
+         "--object-store-memory", str(100 << 20), "--disable-usage-stats"],
+        stdout=log.file, stderr=log.file, process_group=0, env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )  # fmt: skip
     try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in log.text():
+            assert head.poll() is None, f"`ray start --head` exited with {head.returncode}: {log.tail()}"
+            assert time.monotonic() < deadline, f"the Ray head did not start: {log.tail()}"
+            time.sleep(0.5)
+        ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+        head.terminate()  # `ray start --block` stops the node's processes as it exits
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            kill_tree(head)
+        log.close()
+
+
+def gcs_port() -> int:
+    """A free port outside the range Ray gives its workers (10002-19999 by default), which
+    `ray start` refuses for its GCS."""
+    while not 20_000 <= (port := free_port()) < 65_536:
+        pass
+    return port
 
 
 def process_tree(pid: int) -> list[psutil.Process]:
