@@ -69,7 +69,7 @@ def ray_cluster():
 def gcs_port() -> int:
     """A free port outside the range Ray gives its workers (10002-19999 by default), which
     `ray start` refuses for its GCS."""
-    while not 20_000 <= (port := free_port()) < 65_536:
+    while (port := free_port()) < 20_000:
         pass
     return port
 
