@@ -15,7 +15,8 @@ import torch
 
 from rlserve.sdk.senders import TensorSender
 from rlserve.wire.gloo_group import GlooGroup
-from rlserve.wire.protocol import ChunkInfo, InitInfo, ProtocolError, TensorMeta, tensor_checksum
+from rlserve.wire.protocol import ChunkInfo, InitInfo, ProtocolError, TensorMeta, WorkerError, tensor_checksum
+from rlserve.worker import gloo_link
 from rlserve.worker.gloo_link import EXIT_S, GlooLink, SpareHelper
 
 # Shorter than starting a helper takes on the machines this runs on (2.2 s to import torch
@@ -88,6 +89,112 @@ def test_a_take_gets_the_spare_started_ahead_and_the_next_starts_when_the_link_r
     spare.close()
     gone = psutil.wait_procs([psutil.Process(pid) for pid in helpers()], timeout=EXIT_S + 5)[1]
     assert not gone, "a closed link's helper and the dropped spare exit"
+
+
+def joined(link: GlooLink) -> TensorSender:
+    """A trainer (a TensorSender of world size 2) in a group with `link`'s helper."""
+    sender = TensorSender(1, timeout_s=20.0)
+    joining = ThreadPoolExecutor(1).submit(link.join_group, InitInfo(**sender.init_info()), 1)
+    sender.join()
+    joining.result()
+    return sender
+
+
+def one_chunk(link: GlooLink, sender: TensorSender, value: float) -> None:
+    """A chunk of one tensor, sent and received whole."""
+    tensors = {"w": torch.full((1000,), value)}
+    chunk = ChunkInfo((TensorMeta("w", "float32", (1000,), tensor_checksum(tensors["w"])),))
+    landed: list[torch.Tensor] = []
+    sent = ThreadPoolExecutor(1).submit(sender.send, chunk, tensors)
+    assert link.exchange(chunk, True, 20.0, lambda bucket, _: landed.append(bucket["w"].clone())) is True
+    assert sent.result() is True and torch.equal(landed[0], tensors["w"])
+
+
+def test_a_closed_links_healthy_helper_is_the_next_spare_out_of_its_group(spare):
+    """A trainer that inits again and again costs the serving host no new process: the helper
+    of the link a re-init closes leaves its group and is the spare the next join takes."""
+    (first,) = helpers()
+    link = spare.take()
+    sender = joined(link)
+    try:
+        one_chunk(link, sender, 1.0)
+    finally:
+        link.close()
+        link.rest()
+    assert helpers() == {first}, "no helper exits and none starts"
+    again = spare.take()
+    try:
+        assert again.out_of_its_group() and again._process.pid == first
+        other = joined(again)  # a new trainer's group, a fresh landing area
+        try:
+            one_chunk(again, other, 2.0)
+        finally:
+            other.close()
+        # The old trainer's group lost its member: its next chunk fails, it does not hang.
+        with pytest.raises(Exception):  # noqa: B017  # gloo's error for a peer gone varies
+            sender.send(
+                ChunkInfo((TensorMeta("w", "float32", (4,), tensor_checksum(torch.ones(4))),)), {"w": torch.ones(4)}
+            )
+    finally:
+        sender.close()
+        again.close()
+
+
+def test_a_helper_that_failed_or_is_busy_is_never_the_spare(spare):
+    """A helper whose rendezvous failed exits (its group, if any, is out of step): a fresh
+    spare replaces it. A link closed from another thread mid-chunk is not handed back."""
+    (first,) = (psutil.Process(pid) for pid in helpers())
+    link = spare.take()
+    absent = TensorSender(1, timeout_s=1.0)  # its store listens; it never joins the group
+    with pytest.raises(WorkerError):
+        link.join_group(InitInfo(**{**absent.init_info(), "timeout_s": 0.5}), 1)
+    absent.close()
+    link.close()
+    link.rest()
+    first.wait(EXIT_S + 5)
+    (second,) = (psutil.Process(pid) for pid in helpers())
+    link = spare.take()
+    sender = joined(link)
+    try:
+        chunk = ChunkInfo((TensorMeta("w", "float32", (4,), tensor_checksum(torch.ones(4))),))
+        receiving = ThreadPoolExecutor(1).submit(link.exchange, chunk, True, 2.0, lambda *_: None)
+        while not link._busy:
+            pass
+        link.close()  # as a server shutting down meets a chunk on the wire
+        with pytest.raises(WorkerError):
+            receiving.result()
+        link.rest()
+        second.wait(EXIT_S + 5)
+        assert len(helpers()) == 1, "a fresh spare, not the busy one"
+    finally:
+        sender.close()
+
+
+def test_a_spare_that_does_not_leave_its_group_in_time_is_replaced(spare, monkeypatch):
+    """A handed-back helper stuck (here: stopped) before it says it left its group is killed
+    and the join goes on with a fresh helper."""
+    monkeypatch.setattr(gloo_link, "SPARE", spare)
+    (first,) = helpers()
+    link = spare.take()
+    sender = joined(link)
+    sender.close()
+    stuck = psutil.Process(first)
+    stuck.suspend()  # before it reads the request to leave
+    link.close()
+    try:
+        trainer = TensorSender(1, timeout_s=30.0)
+        try:
+            joining = ThreadPoolExecutor(1).submit(GlooLink.join, InitInfo(**trainer.init_info()), 1)
+            trainer.join()
+            fresh = joining.result()
+            assert fresh._process.pid != first
+            fresh.close()
+        finally:
+            trainer.close()
+        stuck.wait(EXIT_S + 5)
+    finally:
+        if stuck.is_running():
+            stuck.kill()
 
 
 def test_a_spare_that_died_is_replaced_by_a_fresh_helper(spare):

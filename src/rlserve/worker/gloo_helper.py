@@ -4,7 +4,8 @@ says when it has started (a spare starts ahead of its join), then answers each r
 JSON lines: join the trainer's group; vote and receive a chunk (a message per bucket or per
 tensor, as the chunk says) into the worker's landing area (mapped once, when the worker
 names a new one), one line per bucket with its digests as soon as it has landed, then a
-last line; close.
+last line; leave the group (the worker keeps this helper as its spare: it says "started"
+again, ready for the next join); close.
 Everything that can go wrong with the trainer goes wrong here, not in the vLLM worker."""
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def serve(sock: socket.socket) -> None:
                     info.master_address, info.master_port, request["rank"], info.world_size, info.timeout_s
                 )
                 reply: dict[str, Any] = {"ok": True}
+            elif op == "leave":
+                group = landing = None  # drops the group's store and connections, and the mapping
+                reply = {"ok": True, "started": True}
             elif op == "chunk":
                 if group is None:
                     raise RuntimeError("no group")

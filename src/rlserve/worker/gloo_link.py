@@ -13,7 +13,9 @@ Starting a helper (Python, then torch) takes 2-3 s of a core on a slow CPU: long
 trainer's rendezvous may wait, whose clock starts as it asks. So one helper is kept started
 ahead (`SPARE`): the engine starts the first as it loads, each join takes the one that is
 ready, and the next starts once the link is at rest (its first session over, or the link
-closed), not during the sync that usually follows an init.
+closed), not during the sync that usually follows an init. A closed link whose helper is
+healthy (never failed, idle) becomes that spare itself: it leaves its group and waits for the
+next join, so a trainer that inits again and again costs no new process on the serving host.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from rlserve.wire.protocol import (
 ANSWER_MARGIN_S = 5.0
 # Starting Python and importing torch in the helper (when no spare was ready).
 START_S = 60.0
-# How long a closed helper may take to leave its group and exit before it is killed.
+# How long a closed helper may take to leave its group and exit (or, handed back as the
+# spare, to say it is out of its group) before it is killed.
 EXIT_S = 2.0
 
 
@@ -76,6 +79,19 @@ class SpareHelper:
         ready.spares = self
         return ready
 
+    def give_back(self, link: GlooLink) -> bool:
+        """Keep `link`'s helper as the spare, out of its group, if a spare is kept and none is
+        ready; whether it was kept (if not, the caller closes the link)."""
+        with self._lock:
+            if not self._kept or (self._ready is not None and self._ready.alive()):
+                return False
+            if not link._leave():
+                return False
+            if self._ready is not None:
+                self._ready.close()
+            self._ready = link
+            return True
+
     def refill(self) -> None:
         """Start the next spare, if one is kept and none is ready."""
         with self._lock:
@@ -102,8 +118,14 @@ class GlooLink:
         self._process = process
         self._sock = sock
         self._reader = sock.makefile("rb")
-        self._started = False  # the helper said it has imported what it needs
+        self._started = False  # the helper said it has imported what it needs (or left its group)
+        self._left = False  # handed back as a spare: its "started" line says it left its group
         self.spares: SpareHelper | None = None  # those it was taken from, refilled at rest
+        # A helper that failed, timed out or ended is spent: never handed back. Busy: in a
+        # chunk. Both under the lock: a close from another thread meets an exchange.
+        self._lock = threading.Lock()
+        self._spent = False
+        self._busy = False
         # Where chunks land: created (and touched) when a chunk first needs more room, its
         # name removed once the helper has mapped it.
         self._landing: torch.Tensor | None = None
@@ -134,6 +156,9 @@ class GlooLink:
     def join(cls, info: InitInfo, rank: int) -> GlooLink:
         """Join the trainer's group through the spare helper; raises WorkerError."""
         link = SPARE.take()
+        if not link.out_of_its_group():
+            link.close()
+            link = SPARE.take()  # a fresh one
         try:
             link.join_group(info, rank)
         except BaseException:
@@ -153,6 +178,19 @@ class GlooLink:
             self._ask(None, START_S)
             self._started = True
 
+    def out_of_its_group(self) -> bool:
+        """False for a helper handed back as the spare that did not say it left its old group
+        within EXIT_S (it is killed); True for any other."""
+        if not self._left:
+            return True
+        self._left = False
+        try:
+            self._ask(None, EXIT_S)
+        except WorkerError:
+            return False
+        self._started = True
+        return True
+
     def alive(self) -> bool:
         return self._process.poll() is None
 
@@ -168,6 +206,17 @@ class GlooLink:
         digests as the helper computed them from the bytes that arrived) as it lands.
         Returns whether everyone accepted. Raises WorkerError (TIMEOUT: the transport is
         broken), or what `deliver` raised once the chunk has been received to its end."""
+        with self._lock:
+            if self._spent:
+                raise WorkerError(ErrorCode.TIMEOUT, "the transfer link is closed")
+            self._busy = True
+        try:
+            return self._exchange(info, accept, timeout_s, deliver)
+        finally:
+            with self._lock:
+                self._busy = False
+
+    def _exchange(self, info: ChunkInfo, accept: bool, timeout_s: float, deliver: Deliver) -> bool:
         buckets = plan_buckets(info.tensors, info.bucket_bytes)
         starts, span = landing_offsets(buckets)
         landing, path = self._landing_for(max(1, span))
@@ -207,6 +256,13 @@ class GlooLink:
         return landing, path
 
     def close(self) -> None:
+        """The membership is over: the helper becomes the spare of those it was taken from if
+        it is healthy and idle and they have none ready, and otherwise exits."""
+        with self._lock:
+            reusable = not (self._spent or self._busy) and self.alive()
+            self._spent = True
+        if reusable and self.spares is not None and self.spares.give_back(self):
+            return
         try:
             self._sock.sendall(b'{"op": "close"}\n')
         except OSError:
@@ -220,6 +276,20 @@ class GlooLink:
         """Its session is over, or it was closed: start the next spare helper."""
         if self.spares is not None:
             self.spares.refill()
+
+    def _leave(self) -> bool:
+        """Ask the helper to leave its group and drop the landing area (as this side does):
+        it is a spare now, whose next join reads the answer (`out_of_its_group`)."""
+        try:
+            self._sock.sendall(b'{"op": "leave"}\n')
+        except OSError:
+            return False
+        self._landing = None
+        self.spares = None
+        self._started, self._left = False, True
+        with self._lock:
+            self._spent = False
+        return True
 
     def _reap(self) -> None:
         try:
@@ -239,9 +309,11 @@ class GlooLink:
                 self._sock.sendall(json.dumps(request).encode() + b"\n")
             line = self._reader.readline()
         except (OSError, TimeoutError) as e:
+            self._spend()
             self._kill()
             raise WorkerError(ErrorCode.TIMEOUT, f"the transfer helper did not answer in time: {e}") from e
         if not line:
+            self._spend()
             code = self._process.wait()
             raise WorkerError(
                 ErrorCode.TIMEOUT,
@@ -249,8 +321,13 @@ class GlooLink:
             )
         reply = json.loads(line)
         if not reply["ok"]:
+            self._spend()  # the helper exits after any failure
             raise WorkerError(ErrorCode(reply["code"]), reply["message"])
         return reply
+
+    def _spend(self) -> None:
+        with self._lock:
+            self._spent = True
 
     def _kill(self) -> None:
         if self._process.poll() is None:

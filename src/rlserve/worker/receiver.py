@@ -135,9 +135,9 @@ class Receiver:
             link.close()
             link.rest()
             raise refusal
-        self._close_session(dropped)
         if old is not None:
-            old.close()
+            old.close()  # first: a gloo helper it closes may become the spare the session's end would start
+        self._close_session(dropped)
 
     def shutdown(self) -> None:
         with self._lock:
