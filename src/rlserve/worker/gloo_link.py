@@ -208,7 +208,7 @@ class GlooLink:
         broken), or what `deliver` raised once the chunk has been received to its end."""
         with self._lock:
             if self._spent:
-                raise WorkerError(ErrorCode.TIMEOUT, "the transfer link is closed")
+                raise WorkerError(ErrorCode.TIMEOUT, "the transfer helper failed or its link was closed")
             self._busy = True
         try:
             return self._exchange(info, accept, timeout_s, deliver)
