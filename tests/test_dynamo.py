@@ -86,6 +86,9 @@ class Dynamo:
 async def dynamo(grpc_target: str, model: str, tmp: Path, **extra_env: str) -> AsyncIterator[Dynamo]:
     system_port, http_port, rl_port = low_free_port(), free_port(), free_port()
     env = {**os.environ, "DYN_FILE_KV": str(tmp / "discovery"), "HF_HUB_OFFLINE": "1", **extra_env}
+    # Dynamo writes a logging config per process into the temp dir and never removes it (ten
+    # files a run): the test's own directory, not /tmp.
+    env["TMPDIR"] = str(tmp)
     # No grace before the drain at SIGTERM (Dynamo's default, 5 s, is for a load balancer to
     # see the worker withdrawn; here nothing routes to it by then): each stop took 5.1 s.
     sidecar_env = {**env, "DYN_SYSTEM_PORT": str(system_port), "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0"}

@@ -37,13 +37,16 @@ class Server:
     """`rlserve serve` launched now in a process group of its own (so the test can signal the
     whole group), waited for later; its log takes both streams (vLLM logs to stdout)."""
 
-    def __init__(self, model: Path, grace_s: float) -> None:
+    def __init__(self, model: Path, grace_s: float, tmp: Path | None = None) -> None:
         self.port = free_port()
         command = [sys.executable, "-m", "rlserve.cli", "serve", "--model", str(model), "--port", str(self.port)]
         command += ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", "0.5"]
         command += ["--shutdown-grace-s", str(grace_s)]
         self.log = ProcessLog("serve")
-        self.proc = subprocess.Popen(command, process_group=0, stdout=self.log.file, stderr=self.log.file)
+        # `tmp`: the server's temp dir (TMPDIR), where the engine's sockets go.
+        self.tmp = tmp
+        env = None if tmp is None else {**os.environ, "TMPDIR": str(tmp)}
+        self.proc = subprocess.Popen(command, process_group=0, stdout=self.log.file, stderr=self.log.file, env=env)
 
     async def serving(self) -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{self.port}") as channel:
@@ -77,9 +80,10 @@ async def launched(*servers: Server | Launcher) -> AsyncIterator[None]:
 
 
 @pytest_asyncio.fixture(scope="module")
-async def drain_servers(tiny_model_dir):
-    """The servers of the two drain tests (grace periods of 20 s and 4 s)."""
-    servers = [Server(tiny_model_dir, 20), Server(tiny_model_dir, 4)]
+async def drain_servers(tiny_model_dir, tmp_path_factory):
+    """The servers of the two drain tests (grace periods of 20 s and 4 s), the first with a
+    temp dir of its own."""
+    servers = [Server(tiny_model_dir, 20, tmp_path_factory.mktemp("server-tmp")), Server(tiny_model_dir, 4)]
     async with launched(*servers):
         yield servers
 
@@ -117,6 +121,13 @@ async def test_sigterm_to_the_whole_process_group_drains_in_flight_streams(drain
         inference = inference_pb2_grpc.InferenceStub(channel)
         engine = engine_processes(proc)
         assert engine and all(os.getpgid(p.pid) != proc.pid for p in engine), "the engine has a group of its own"
+        tmp = drain_servers[0].tmp
+        assert tmp is not None
+        # vLLM's engine processes talk over Unix sockets in a directory of the engine's own,
+        # which only this user can enter.
+        (sockets,) = tmp.glob("rlserve-engine-*")
+        assert sockets.stat().st_mode & 0o777 == 0o700 and any(p.is_socket() for p in sockets.iterdir())
+        assert not [p for p in tmp.iterdir() if p.is_socket()]
         stream = inference.GenerateStream(long_request("in flight", max_new_tokens=300))
         first = await stream.read()
         os.killpg(proc.pid, signal.SIGTERM)  # the engine processes are not in this group
@@ -127,6 +138,8 @@ async def test_sigterm_to_the_whole_process_group_drains_in_flight_streams(drain
         assert (await stream.code()) == grpc.StatusCode.OK
         assert await exited(proc, 30) == 0, log.tail()
         assert not left_behind(engine)
+        # ... removed with every socket in it once the engine stopped (vLLM leaves its own).
+        assert not [p for p in tmp.rglob("*") if p.is_socket()] and not sockets.exists()
         # A clean shutdown logs no error: vLLM's output handler, left running while the engine
         # stopped, used to log the engine's death with a traceback.
         said = log.text()

@@ -29,7 +29,7 @@ from rlserve.engine import describe, vllm_compat
 from rlserve.engine.liveness import EngineMonitor
 from rlserve.engine.load import LoadBoard, NoPrometheus
 from rlserve.engine.outputs import OutputTranslator, aborted_before_start
-from rlserve.engine.process_group import engine_in_own_group
+from rlserve.engine.process_group import SocketDir, engine_in_own_group
 from rlserve.engine.sampling import ModelLimits, build_prompt_token_ids, build_sampling_params, refused_by_vllm
 from rlserve.engine.shared import FrontendClient, log_engine_exits
 from rlserve.engine.stream import RequestStream
@@ -108,9 +108,15 @@ class PreparedRequest:
 
 class EngineAdapter:
     def __init__(
-        self, llm: AsyncLLM, config: EngineConfig, load: LoadBoard | None = None, instance_id: str = ""
+        self,
+        llm: AsyncLLM,
+        config: EngineConfig,
+        load: LoadBoard | None = None,
+        instance_id: str = "",
+        sockets: SocketDir | None = None,
     ) -> None:
         self._llm = llm
+        self._sockets = sockets  # the engine's, if this adapter launched it
         self.load = load  # None: the engine was started without stats
         self._config = config
         # One per server: every frontend process of a server reports the same.
@@ -151,9 +157,10 @@ class EngineAdapter:
     def start(cls, config: EngineConfig) -> EngineAdapter:
         """Start the engine (tens of seconds); raises what vLLM raises on a bad config."""
         load = LoadBoard() if config.log_stats else None
-        with engine_in_own_group():
+        sockets = SocketDir()
+        with sockets.in_use(), engine_in_own_group():
             llm = AsyncLLM.from_engine_args(engine_args(config), stat_loggers=_stat_loggers(config, load))
-        return cls(llm, config, load)
+        return cls(llm, config, load, sockets=sockets)
 
     @classmethod
     def connect(
@@ -189,6 +196,8 @@ class EngineAdapter:
         self.monitor.stop()
         self._llm.shutdown()
         log_engine_exits(vllm_compat.engine_manager(self._llm))
+        if self._sockets is not None:
+            self._sockets.remove()
 
     async def close(self) -> None:
         """Before `shutdown`, on the event loop, once every request has ended."""

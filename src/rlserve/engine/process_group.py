@@ -11,12 +11,18 @@ vLLM starts its engine core with multiprocessing's spawn, which has no pre-exec 
 the duration of the start, spawn's interpreter is a small launcher that moves itself into a
 new process group (not a new session: that would change how the kernel shares the CPU) and
 then execs the real interpreter with the same arguments.
+
+vLLM's engine processes also talk over Unix sockets named by uuid under `VLLM_RPC_BASE_PATH`
+(/tmp unless set), and leave them there: seven files each time an engine starts and stops.
+`SocketDir` gives one engine a directory of its own for them, removed at its shutdown.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -43,3 +49,36 @@ def engine_in_own_group() -> Iterator[None]:
             yield
         finally:
             multiprocessing.set_executable(sys.executable)
+
+
+RPC_BASE_ENV = "VLLM_RPC_BASE_PATH"
+
+
+class SocketDir:
+    """Where one engine's processes put their Unix sockets: a directory only this user can
+    enter (mkdtemp: mode 0700), removed by `remove()` with whatever the engine left in it. A
+    VLLM_RPC_BASE_PATH someone set is theirs: then nothing is made or removed."""
+
+    def __init__(self) -> None:
+        self.path = None if RPC_BASE_ENV in os.environ else Path(tempfile.mkdtemp(prefix="rlserve-engine-"))
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """vLLM names its sockets here inside this block, and the processes spawned in it do
+        for as long as they run. A failure inside removes the directory."""
+        if self.path is None:
+            yield
+            return
+        os.environ[RPC_BASE_ENV] = str(self.path)
+        try:
+            yield
+        except BaseException:
+            self.remove()
+            raise
+        finally:
+            os.environ.pop(RPC_BASE_ENV, None)
+
+    def remove(self) -> None:
+        """After the engine's processes have exited."""
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)

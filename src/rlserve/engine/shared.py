@@ -22,7 +22,7 @@ from typing import Any
 
 from vllm import AsyncEngineArgs
 
-from rlserve.engine.process_group import engine_in_own_group
+from rlserve.engine.process_group import SocketDir, engine_in_own_group
 from rlserve.engine.vllm_compat import (
     bind_frontend_sockets,
     engine_exit_codes,
@@ -52,11 +52,13 @@ class SharedEngine:
     def __init__(self, args: AsyncEngineArgs, count: int, log_stats: bool, num_spare: int = 0) -> None:
         total = count + num_spare
         self.vllm_config = frontend_engine_config(args, total, -1)
-        # Kept: collecting it closes every socket and removes their paths.
-        self._listeners = listeners = bind_frontend_sockets(self.vllm_config, total)
-        with engine_in_own_group():
-            with launch_engine_cores(self.vllm_config, log_stats, listeners.addresses) as launch:
-                pass  # the block's end waits for the engine to start
+        self._sockets = SocketDir()
+        with self._sockets.in_use():
+            # Kept: collecting it closes every socket and removes their paths.
+            self._listeners = listeners = bind_frontend_sockets(self.vllm_config, total)
+            with engine_in_own_group():
+                with launch_engine_cores(self.vllm_config, log_stats, listeners.addresses) as launch:
+                    pass  # the block's end waits for the engine to start
         self._manager = launch.engine_manager
         self._coordinator = launch.coordinator
         stats = self._coordinator.get_stats_publish_address() if self._coordinator is not None else None
@@ -107,6 +109,7 @@ class SharedEngine:
         if self._coordinator is not None:
             self._coordinator.shutdown()
         self._listeners.cleanup()
+        self._sockets.remove()
 
 
 def log_engine_exits(manager: Any) -> None:
