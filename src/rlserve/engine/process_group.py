@@ -14,18 +14,22 @@ then execs the real interpreter with the same arguments.
 
 vLLM's engine processes also talk over Unix sockets named by uuid under `VLLM_RPC_BASE_PATH`
 (/tmp unless set), and leave them there: seven files each time an engine starts and stops.
-`SocketDir` gives one engine a directory of its own for them, removed at its shutdown.
+`SocketDir` gives one engine a directory of its own for them, removed at its shutdown (or by
+the next server's start on the host, if its server was killed outright).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import multiprocessing
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,11 +60,21 @@ RPC_BASE_ENV = "VLLM_RPC_BASE_PATH"
 
 class SocketDir:
     """Where one engine's processes put their Unix sockets: a directory only this user can
-    enter (mkdtemp: mode 0700), removed by `remove()` with whatever the engine left in it. A
-    VLLM_RPC_BASE_PATH someone set is theirs: then nothing is made or removed."""
+    enter (mkdtemp: mode 0700), removed by `remove()` with whatever the engine left in it. Its
+    owner holds a lock on a file in it while it lives: a server killed outright leaves its
+    directory behind, and the next one made on this host removes every such directory no
+    process holds (the kernel drops a dead owner's lock). A VLLM_RPC_BASE_PATH someone set is
+    theirs: then nothing is made or removed."""
 
     def __init__(self) -> None:
-        self.path = None if RPC_BASE_ENV in os.environ else Path(tempfile.mkdtemp(prefix="rlserve-engine-"))
+        self.path: Path | None = None
+        self._lock: int | None = None
+        if RPC_BASE_ENV in os.environ:
+            return
+        remove_abandoned_socket_dirs()
+        self.path = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX))
+        self._lock = os.open(self.path / OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
 
     @contextlib.contextmanager
     def in_use(self) -> Iterator[None]:
@@ -82,3 +96,42 @@ class SocketDir:
         """After the engine's processes have exited."""
         if self.path is not None:
             shutil.rmtree(self.path, ignore_errors=True)
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+
+SOCKET_DIR_PREFIX = "rlserve-engine-"
+OWNER_LOCK = ".owner"
+# A directory younger than this may be one whose owner has not locked it yet.
+ABANDONED_AFTER_S = 60.0
+
+
+def remove_abandoned_socket_dirs() -> list[Path]:
+    """Remove this user's engine socket directories in the temp dir that no process holds
+    (their server was killed outright); returns them. A directory whose lock is held, that is
+    younger than a minute, or that is not a plain directory of this user is left alone."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(SOCKET_DIR_PREFIX + "*"):
+        try:
+            st = os.lstat(path)
+            if (
+                not stat.S_ISDIR(st.st_mode)
+                or st.st_uid != os.geteuid()
+                or time.time() - st.st_mtime < ABANDONED_AFTER_S
+            ):
+                continue
+            fd = os.open(path / OWNER_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its server lives
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed

@@ -1,0 +1,114 @@
+"""Where an engine's vLLM sockets go (`rlserve.engine.process_group.SocketDir`), no engine: a
+directory of the server's own, removed at its shutdown, and by the next server's start when
+its server was killed outright. (An engine's sockets landing there, and nothing left after a
+clean stop: tests/test_shutdown.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from rlserve.engine import process_group
+from rlserve.engine.process_group import RPC_BASE_ENV, SocketDir, remove_abandoned_socket_dirs
+
+HOLD = """
+import sys, time
+from rlserve.engine.process_group import SocketDir
+d = SocketDir()
+print(d.path, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def temp_dir(tmp_path, monkeypatch) -> Path:
+    """The temp dir, here and in the processes this test starts."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.delenv(RPC_BASE_ENV, raising=False)
+    return tmp_path
+
+
+def holder() -> tuple[subprocess.Popen, Path]:
+    """A process that made a SocketDir and holds it."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD], stdout=subprocess.PIPE, text=True)
+    return proc, Path(proc.stdout.readline().strip())
+
+
+def aged(path: Path) -> Path:
+    """As if made two minutes ago (a younger one may not be locked yet: never removed)."""
+    then = time.time() - 2 * process_group.ABANDONED_AFTER_S
+    os.utime(path, (then, then))
+    return path
+
+
+def test_an_engine_gets_a_private_directory_while_it_starts_and_it_is_removed(temp_dir):
+    sockets = SocketDir()
+    assert sockets.path is not None and sockets.path.parent == temp_dir
+    assert sockets.path.stat().st_mode & 0o777 == 0o700
+    with sockets.in_use():
+        assert os.environ[RPC_BASE_ENV] == str(sockets.path)
+        (sockets.path / "a-socket").touch()
+    assert RPC_BASE_ENV not in os.environ  # the next engine gets its own
+    sockets.remove()
+    assert not sockets.path.exists()
+
+
+def test_a_failed_start_removes_its_directory(temp_dir):
+    sockets = SocketDir()
+    with pytest.raises(RuntimeError), sockets.in_use():
+        raise RuntimeError("the engine did not start")
+    assert sockets.path is not None and not sockets.path.exists() and RPC_BASE_ENV not in os.environ
+
+
+def test_a_path_someone_set_is_theirs(temp_dir, monkeypatch):
+    monkeypatch.setenv(RPC_BASE_ENV, str(temp_dir / "theirs"))
+    sockets = SocketDir()
+    with sockets.in_use():
+        assert os.environ[RPC_BASE_ENV] == str(temp_dir / "theirs")
+    sockets.remove()
+    assert sockets.path is None and list(temp_dir.iterdir()) == []
+
+
+def test_only_directories_whose_server_died_are_removed(temp_dir):
+    killed, killed_dir = holder()
+    alive, alive_dir = holder()
+    young, young_dir = holder()
+    try:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        aged(killed_dir)
+        aged(alive_dir)
+        young.send_signal(signal.SIGKILL)
+        young.wait()
+        # Not ours to touch: a file, a symlink to a directory, a directory without a lock.
+        (temp_dir / "rlserve-engine-file").touch()
+        (temp_dir / "rlserve-engine-link").symlink_to(alive_dir)
+        aged_dir(temp_dir / "rlserve-engine-nolock")
+        SocketDir().remove()  # a server starting on this host sweeps
+        assert not killed_dir.exists()
+        assert alive_dir.exists() and young_dir.exists()
+        assert {p.name for p in temp_dir.iterdir()} == {
+            alive_dir.name,
+            young_dir.name,
+            "rlserve-engine-file",
+            "rlserve-engine-link",
+            "rlserve-engine-nolock",
+        }
+        assert remove_abandoned_socket_dirs() == []
+    finally:
+        for proc in (killed, alive, young):
+            proc.kill()
+            proc.wait()
+
+
+def aged_dir(path: Path) -> Path:
+    path.mkdir()
+    return aged(path)
