@@ -6,11 +6,13 @@ clean stop: tests/test_shutdown.py.)"""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,12 +30,15 @@ time.sleep(600)
 
 
 @pytest.fixture
-def temp_dir(tmp_path, monkeypatch) -> Path:
-    """The temp dir, here and in the processes this test starts."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+def temp_dir(monkeypatch) -> Iterator[Path]:
+    """The temp dir, here and in the processes this test starts: a short path (pytest's own
+    are too long for a socket in a directory inside them)."""
+    path = Path(tempfile.mkdtemp(prefix="sockets-", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    monkeypatch.setenv("TMPDIR", str(path))
     monkeypatch.delenv(RPC_BASE_ENV, raising=False)
-    return tmp_path
+    yield path
+    shutil.rmtree(path)
 
 
 def holder() -> tuple[subprocess.Popen, Path]:
@@ -112,3 +117,16 @@ def test_only_directories_whose_server_died_are_removed(temp_dir):
 def aged_dir(path: Path) -> Path:
     path.mkdir()
     return aged(path)
+
+
+def test_a_temp_dir_too_long_for_a_socket_inside_it_is_left_to_vllm(tmp_path, monkeypatch):
+    """A socket's path has at most 107 bytes: where the directory would push vLLM's past that,
+    vLLM keeps its own place (the engine starts as it did without rlserve)."""
+    deep = tmp_path / ("d" * (100 - len(str(tmp_path))))
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    monkeypatch.delenv(RPC_BASE_ENV, raising=False)
+    sockets = SocketDir()
+    with sockets.in_use():
+        assert RPC_BASE_ENV not in os.environ
+    assert sockets.path is None and list(deep.iterdir()) == []

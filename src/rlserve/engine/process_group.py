@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import multiprocessing
 import os
 import shutil
@@ -32,6 +33,8 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 _LAUNCHER = """#!{python}
 import os, sys
@@ -72,7 +75,13 @@ class SocketDir:
         if RPC_BASE_ENV in os.environ:
             return
         remove_abandoned_socket_dirs()
-        self.path = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX))
+        path = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX))
+        if len(os.fsencode(path / VLLM_SOCKET_NAME)) > MAX_SOCKET_PATH:
+            # A Unix socket's path has at most 107 bytes: vLLM's own place still fits.
+            shutil.rmtree(path)
+            logger.warning("the temp dir's path is too long for a socket directory of the engine's own: %s", path)
+            return
+        self.path = path
         self._lock = os.open(self.path / OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._lock, fcntl.LOCK_EX)
 
@@ -102,6 +111,9 @@ class SocketDir:
 
 
 SOCKET_DIR_PREFIX = "rlserve-engine-"
+# sockaddr_un.sun_path holds 108 bytes with the terminating NUL; vLLM names a socket by a uuid.
+MAX_SOCKET_PATH = 107
+VLLM_SOCKET_NAME = "00000000-0000-0000-0000-000000000000"
 OWNER_LOCK = ".owner"
 # A directory younger than this may be one whose owner has not locked it yet.
 ABANDONED_AFTER_S = 60.0
