@@ -80,11 +80,16 @@ async def serves_and_answers(s) -> None:
     await fast(s.lifecycle.GetState(lpb.GetStateRequest()))
 
 
+# No trainer comes, so no rendezvous has to fit: the cap need only outlast the calls made
+# meanwhile (well under a second here).
+ABSENT_CAP_S = 5.0
+
+
 async def test_an_absent_trainer_is_a_deadline_and_the_server_keeps_serving(wt_engine, engine_config):
-    """The caller asks for 60 s, the server caps it at CAP_S; meanwhile the engine keeps
-    generating and the control plane answers, and afterwards it serves on (twice over: a
-    worker's late answer used to surface inside a later engine step and kill the engine)."""
-    async with serving(wt_engine, config(engine_config, transfer_timeout_s=CAP_S)) as s:
+    """The caller asks for 60 s, the server caps it; meanwhile the engine keeps generating
+    and the control plane answers, and afterwards it serves on (twice over: a worker's late
+    answer used to surface inside a later engine step and kill the engine)."""
+    async with serving(wt_engine, config(engine_config, transfer_timeout_s=ABSENT_CAP_S)) as s:
         for _ in range(2):
             t0 = time.perf_counter()
             init = asyncio.ensure_future(s.control.InitWeightTransferEngine(init_request(nobody(60.0))))
@@ -93,10 +98,11 @@ async def test_an_absent_trainer_is_a_deadline_and_the_server_keeps_serving(wt_e
             await fast(pause(s.control, KEEP))
             await fast(s.control.ResumeGeneration(cpb.ResumeGenerationRequest()))
             await expect(DEADLINE, init)
-            assert time.perf_counter() - t0 < CAP_S + 10
+            assert time.perf_counter() - t0 < ABSENT_CAP_S + 10
             state = await s.lifecycle.GetState(lpb.GetStateRequest())
             assert not state.transport_initializing and not state.transport_ready
         await serves_and_answers(s)
+    async with serving(wt_engine, config(engine_config, transfer_timeout_s=CAP_S)) as s:
         trainer = HandTrainer(s.target)
         try:
             await trainer.init()  # a trainer that does show up still gets a transport
