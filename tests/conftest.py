@@ -156,10 +156,10 @@ async def lora_engine(engines: Engines):
 
 @pytest_asyncio.fixture(scope="session")
 async def reference(engines: Engines, tiny_model_dir: Path):
-    """The engine the comparisons reload each checkpoint into (`helpers.Reference`)."""
+    """The plain engine, which the comparisons reload each checkpoint into (`helpers.Reference`)."""
     from helpers import Reference
 
-    return Reference(await engines.get(served_model_name="reference"), tiny_model_dir)
+    return Reference(await engines.get(), tiny_model_dir)
 
 
 def _pickle_in_this_process() -> None:

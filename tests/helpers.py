@@ -233,12 +233,13 @@ async def run_trainer_syncs(
 
 
 class Reference:
-    """vLLM's own answer for a checkpoint: greedy tokens of an engine rlserve never updates,
-    its weights reloaded from a checkpoint on disk by vLLM's loader (`reload_weights`, the
-    loader that builds a fresh engine's model) before each comparison and its prefix cache
-    emptied, so nothing of the last checkpoint's KV serves the next. One engine for every
-    comparison of the session, in place of a fresh engine per comparison; checked against a
-    fresh engine once (test_weight_transfer).
+    """vLLM's own answer for a checkpoint: greedy tokens of an engine rlserve never updates
+    (the session's plain engine), its weights reloaded from a checkpoint on disk by vLLM's
+    loader (`reload_weights`, the loader that builds a fresh engine's model) before each
+    comparison and its prefix cache emptied, so nothing of the last checkpoint's KV serves
+    the next; the model's own checkpoint is reloaded after it, so that the engine serves that
+    for everyone else. One engine for every comparison of the session, in place of a fresh
+    engine per comparison; checked against a fresh engine once (test_weight_transfer).
 
     vLLM 0.32's reload leaves a tied lm_head computing with the old embedding on CPU: its
     loader never sees a tensor of its own, so vLLM never processes it again and its packed
@@ -258,10 +259,16 @@ class Reference:
         shutil.copytree(self._model_dir, ckpt, dirs_exist_ok=True)
         save_weights(weights, ckpt / "model.safetensors")
         async with self._lock:
-            await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ckpt)})
-            await self._llm.collective_rpc(_reprocess_tied_head)
-            await self._llm.reset_prefix_cache()
-            return await engine_greedy(self._llm, prompt, n)
+            await self._load(ckpt)
+            try:
+                return await engine_greedy(self._llm, prompt, n)
+            finally:
+                await self._load(self._model_dir)
+
+    async def _load(self, checkpoint: Path) -> None:
+        await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoint)})
+        await self._llm.collective_rpc(_reprocess_tied_head)
+        await self._llm.reset_prefix_cache()
 
 
 def _reprocess_tied_head(worker: Any) -> None:

@@ -70,9 +70,9 @@ async def test_the_reference_engine_answers_as_a_fresh_engine_on_the_checkpoint(
     engine, engines, reference, tiny_model_dir, tmp_path
 ):
     """The ground truth of every "equals a fresh engine" is itself checked against one: the
-    reference reloaded with other weights gives the tokens of an engine started on them, and
-    reloaded with the checkpoint again those of the session's plain engine, which serves the
-    checkpoint and is never updated."""
+    reference (the session's plain engine, which rlserve never updates) reloaded with other
+    weights gives the tokens of an engine started on them, serves the checkpoint's again
+    afterwards, and reloaded with the checkpoint gives them too."""
     weights = perturbed(tiny_model_dir, seed=77)
     ckpt = tmp_path / "fresh"
     shutil.copytree(tiny_model_dir, ckpt)
@@ -82,6 +82,7 @@ async def test_the_reference_engine_answers_as_a_fresh_engine_on_the_checkpoint(
     original = await engine_greedy(engine.llm)
     assert truth != original
     assert await reference.outputs(weights, tmp_path) == truth
+    assert await engine_greedy(engine.llm) == original
     assert await reference.outputs(checkpoint(tiny_model_dir), tmp_path) == original
 
 
