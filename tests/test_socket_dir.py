@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from rlserve.engine import process_group
-from rlserve.engine.process_group import RPC_BASE_ENV, SocketDir, remove_abandoned_socket_dirs
+from rlserve.engine import owned_dir
+from rlserve.engine.owned_dir import remove_abandoned
+from rlserve.engine.process_group import RPC_BASE_ENV, SOCKET_DIR_PREFIX, SocketDir
 
 HOLD = """
 import sys, time
@@ -49,7 +50,7 @@ def holder() -> tuple[subprocess.Popen, Path]:
 
 def aged(path: Path) -> Path:
     """As if made two minutes ago (a younger one may not be locked yet: never removed)."""
-    then = time.time() - 2 * process_group.ABANDONED_AFTER_S
+    then = time.time() - 2 * owned_dir.ABANDONED_AFTER_S
     os.utime(path, (then, then))
     return path
 
@@ -107,7 +108,7 @@ def test_only_directories_whose_server_died_are_removed(temp_dir):
             "rlserve-engine-link",
             "rlserve-engine-nolock",
         }
-        assert remove_abandoned_socket_dirs() == []
+        assert remove_abandoned(SOCKET_DIR_PREFIX) == []
     finally:
         for proc in (killed, alive, young):
             proc.kill()

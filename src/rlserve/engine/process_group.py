@@ -21,18 +21,16 @@ the next server's start on the host, if its server was killed outright).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import multiprocessing
 import os
-import shutil
-import stat
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from rlserve.engine.owned_dir import OwnedDir
 
 logger = logging.getLogger(__name__)
 
@@ -59,40 +57,42 @@ def engine_in_own_group() -> Iterator[None]:
 
 
 RPC_BASE_ENV = "VLLM_RPC_BASE_PATH"
+SOCKET_DIR_PREFIX = "rlserve-engine-"
+# sockaddr_un.sun_path holds 108 bytes with the terminating NUL; vLLM names a socket by a uuid.
+MAX_SOCKET_PATH = 107
+VLLM_SOCKET_NAME = "00000000-0000-0000-0000-000000000000"
 
 
 class SocketDir:
-    """Where one engine's processes put their Unix sockets: a directory only this user can
-    enter (mkdtemp: mode 0700), removed by `remove()` with whatever the engine left in it. Its
-    owner holds a lock on a file in it while it lives: a server killed outright leaves its
-    directory behind, and the next one made on this host removes every such directory no
-    process holds (the kernel drops a dead owner's lock). A VLLM_RPC_BASE_PATH someone set is
-    theirs: then nothing is made or removed."""
+    """Where one engine's processes put their Unix sockets: an `OwnedDir` (mode 0700, swept
+    by the next server's start if its server was killed outright), removed by `remove()`
+    with whatever the engine left in it. A VLLM_RPC_BASE_PATH someone set is theirs: then
+    nothing is made or removed."""
 
     def __init__(self) -> None:
-        self.path: Path | None = None
-        self._lock: int | None = None
+        self._dir: OwnedDir | None = None
         if RPC_BASE_ENV in os.environ:
             return
-        remove_abandoned_socket_dirs()
-        path = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX))
-        if len(os.fsencode(path / VLLM_SOCKET_NAME)) > MAX_SOCKET_PATH:
+        owned = OwnedDir(SOCKET_DIR_PREFIX)
+        if len(os.fsencode(owned.path / VLLM_SOCKET_NAME)) > MAX_SOCKET_PATH:
             # A Unix socket's path has at most 107 bytes: vLLM's own place still fits.
-            shutil.rmtree(path)
-            logger.warning("the temp dir's path is too long for a socket directory of the engine's own: %s", path)
+            owned.remove()
+            logger.warning("the temp dir's path is too long for a socket directory of the engine's own: %s", owned.path)
             return
-        self.path = path
-        self._lock = os.open(self.path / OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        fcntl.flock(self._lock, fcntl.LOCK_EX)
+        self._dir = owned
+
+    @property
+    def path(self) -> Path | None:
+        return None if self._dir is None else self._dir.path
 
     @contextlib.contextmanager
     def in_use(self) -> Iterator[None]:
         """vLLM names its sockets here inside this block, and the processes spawned in it do
         for as long as they run. A failure inside removes the directory."""
-        if self.path is None:
+        if self._dir is None:
             yield
             return
-        os.environ[RPC_BASE_ENV] = str(self.path)
+        os.environ[RPC_BASE_ENV] = str(self._dir.path)
         try:
             yield
         except BaseException:
@@ -103,47 +103,5 @@ class SocketDir:
 
     def remove(self) -> None:
         """After the engine's processes have exited."""
-        if self.path is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
-
-
-SOCKET_DIR_PREFIX = "rlserve-engine-"
-# sockaddr_un.sun_path holds 108 bytes with the terminating NUL; vLLM names a socket by a uuid.
-MAX_SOCKET_PATH = 107
-VLLM_SOCKET_NAME = "00000000-0000-0000-0000-000000000000"
-OWNER_LOCK = ".owner"
-# A directory younger than this may be one whose owner has not locked it yet.
-ABANDONED_AFTER_S = 60.0
-
-
-def remove_abandoned_socket_dirs() -> list[Path]:
-    """Remove this user's engine socket directories in the temp dir that no process holds
-    (their server was killed outright); returns them. A directory whose lock is held, that is
-    younger than a minute, or that is not a plain directory of this user is left alone."""
-    removed = []
-    for path in Path(tempfile.gettempdir()).glob(SOCKET_DIR_PREFIX + "*"):
-        try:
-            st = os.lstat(path)
-            if (
-                not stat.S_ISDIR(st.st_mode)
-                or st.st_uid != os.geteuid()
-                or time.time() - st.st_mtime < ABANDONED_AFTER_S
-            ):
-                continue
-            fd = os.open(path / OWNER_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: its server lives
-            os.close(fd)
-            continue
-        try:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-        finally:
-            os.close(fd)
-    return removed
+        if self._dir is not None:
+            self._dir.remove()
