@@ -5,6 +5,7 @@ clean stop: tests/test_shutdown.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -131,3 +132,34 @@ def test_a_temp_dir_too_long_for_a_socket_inside_it_is_left_to_vllm(tmp_path, mo
     with sockets.in_use():
         assert RPC_BASE_ENV not in os.environ
     assert sockets.path is None and list(deep.iterdir()) == []
+
+
+HUB = """
+import asyncio
+from rlserve.engine.notices import NotificationHub
+hub = NotificationHub()
+asyncio.run(hub.start())
+print(hub.address, flush=True)
+import time; time.sleep(600)
+"""
+
+
+def test_a_killed_servers_notice_socket_directory_is_removed_by_the_next_one(temp_dir):
+    """The workers' notice socket lives in a directory of the same kind (one a killed server
+    left was in /tmp 125 times here)."""
+    from rlserve.engine.notices import NOTIFY_DIR_PREFIX, NotificationHub
+
+    proc = subprocess.Popen([sys.executable, "-c", HUB], stdout=subprocess.PIPE, text=True)
+    try:
+        left = Path(proc.stdout.readline().strip()).parent
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert left.name.startswith(NOTIFY_DIR_PREFIX) and left.exists()
+        aged(left)
+        hub = NotificationHub()
+        assert not left.exists()
+        asyncio.run(hub.close())
+        assert list(temp_dir.iterdir()) == []
+    finally:
+        proc.kill()
+        proc.wait()

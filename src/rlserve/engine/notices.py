@@ -12,15 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import shutil
-import tempfile
-from pathlib import Path
 
+from rlserve.engine.owned_dir import OwnedDir
 from rlserve.wire.protocol import Reply
 
 logger = logging.getLogger(__name__)
 
 MAX_LINE_BYTES = 1 << 20
+NOTIFY_DIR_PREFIX = "rlserve-notify-"
 
 
 class WorkerGone(Exception):
@@ -31,8 +30,9 @@ class NotificationHub:
     """The server's end: one listening socket, a future per (operation, worker)."""
 
     def __init__(self) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix="rlserve-notify-"))
-        self.address = str(self._dir / "n.sock")
+        # Swept by a later server's start if this one is killed outright (125 were left here).
+        self._dir = OwnedDir(NOTIFY_DIR_PREFIX)
+        self.address = str(self._dir.path / "n.sock")
         self._server: asyncio.AbstractServer | None = None
         self._pending: dict[tuple[str, int], asyncio.Future[Reply]] = {}
         self._connected: set[int] = set()
@@ -48,7 +48,7 @@ class NotificationHub:
         for future in self._pending.values():
             future.cancel()
         self._pending.clear()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._dir.remove()
 
     def expect(self, op: str, workers: range) -> list[asyncio.Future[Reply]]:
         """Futures for the notices of `op` from each worker; register before starting it."""
