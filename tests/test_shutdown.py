@@ -240,3 +240,35 @@ async def test_a_launched_server_shuts_down_when_its_launcher_dies(killed_server
     assert not alive, [p.name() for p in alive]
     text = launcher.log.read_text()
     assert "exited: shutting down" in text and "shutting down: draining" in text, text[-3000:]
+
+
+GONE_AT_ONCE = """
+import os, sys
+from pathlib import Path
+from rlserve.sdk.launch import ServerProcess
+server = ServerProcess(sys.argv[2:], log_path=Path(sys.argv[1]))
+print(server.pid, flush=True)
+os._exit(0)
+"""
+
+
+async def test_a_server_whose_launcher_died_before_it_looked_does_not_start(tiny_model_dir, tmp_path):
+    """A launcher that dies while its server still imports (a suite run saw Ray kill two
+    actors for memory seconds into their servers' start): the server knows its launcher's pid
+    from the launcher itself, sees it gone, and exits without starting an engine. Read from
+    its own parent id after the imports, the launcher was init, and the orphans served on."""
+    log = tmp_path / "server.log"
+    args = ["--model", str(tiny_model_dir), "--dtype", "float32", "--enforce-eager", "--kv-cache-gib", "0.25"]
+    launcher = subprocess.run(
+        [sys.executable, "-c", GONE_AT_ONCE, str(log), *args], capture_output=True, check=True, timeout=60
+    )
+    server = psutil.Process(int(launcher.stdout))
+    try:
+        alive = await asyncio.to_thread(left_behind, [server], 60)
+        assert not alive, log.read_text()[-3000:]
+        text = log.read_text()
+        assert "is gone: not starting" in text and "EngineCore" not in text, text[-3000:]
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for process in [*server.children(recursive=True), server]:
+                process.kill()

@@ -175,7 +175,8 @@ SERVE_FLAGS = (
     Flag(
         "--exit-with-parent",
         "exit_with_parent",
-        "shut down when the process that started this one exits (for launchers)",
+        "shut down when the process that started this one exits (for launchers, which should name "
+        "their pid in RLSERVE_LAUNCHER_PID: a launcher gone before the server looks is then seen)",
         is_switch=True,
     ),
     Flag("--max-held-requests", "max_held_requests", "requests held while paused", type=int),

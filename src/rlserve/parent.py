@@ -7,22 +7,44 @@ how a process ended, in words (`how_it_ended`)."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import time
 
 POLL_S = 0.5
+# Set by a launcher (`rlserve.sdk.launch.ServerProcess`) to its own pid in the server's
+# environment, and taken out of it by the server (`take_launcher_pid`).
+LAUNCHER_PID_ENV = "RLSERVE_LAUNCHER_PID"
+
+
+def take_launcher_pid() -> int:
+    """The pid of the process that started this one, as that process said it: multiprocessing's
+    parent, or the pid a launcher put in LAUNCHER_PID_ENV (removed here, so that what this
+    process starts does not inherit it), else the parent id now. Asked only after seconds of
+    imports, the parent id of a process whose launcher has died meanwhile is already init's,
+    and a wait for it to change would never end."""
+    named = os.environ.pop(LAUNCHER_PID_ENV, "")
+    spawner = multiprocessing.parent_process()
+    if spawner is not None and spawner.pid is not None:
+        return spawner.pid
+    return int(named) if named.isdigit() else os.getppid()
+
+
+def is_gone(parent: int) -> bool:
+    """Whether `parent` (this process's parent when it started) has exited."""
+    return os.getppid() != parent
 
 
 def wait_for_parent_exit(parent: int, poll_s: float = POLL_S) -> None:
     """Blocks until process `parent` (this one's parent when it started) is gone."""
-    while os.getppid() == parent:
+    while not is_gone(parent):
         time.sleep(poll_s)
 
 
 async def parent_exited(parent: int, poll_s: float = POLL_S) -> None:
     """`wait_for_parent_exit` on an event loop."""
-    while os.getppid() == parent:
+    while not is_gone(parent):
         await asyncio.sleep(poll_s)
 
 

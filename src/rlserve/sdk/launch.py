@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 
+from rlserve.parent import LAUNCHER_PID_ENV
 from rlserve.sdk.client import ChannelCredentials, Client
 
 
@@ -25,7 +26,8 @@ class ServerExited(RuntimeError):
 class ServerProcess:
     """One `rlserve serve --host HOST --port PORT [args...]` in a process group of its own (a
     Ctrl-C meant for the launcher does not reach it), its output in `log_path`. It runs with
-    `--exit-with-parent`, so it shuts itself down when the launcher goes, however it goes."""
+    `--exit-with-parent`, so it shuts itself down when the launcher goes, however it goes, also
+    before it has looked: it is told the launcher's pid."""
 
     def __init__(
         self,
@@ -44,7 +46,11 @@ class ServerProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as log:
             self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, process_group=0
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {}), LAUNCHER_PID_ENV: str(os.getpid())},
+                process_group=0,
             )
 
     @property

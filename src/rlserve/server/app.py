@@ -30,7 +30,7 @@ from rlserve.frontends.follower import FollowerLifecycle, LeaderLink
 from rlserve.lifecycle.controller import LifecycleController
 from rlserve.lifecycle.state import LifecycleState
 from rlserve.model_cache import default_model_dir
-from rlserve.parent import parent_exited
+from rlserve.parent import is_gone, parent_exited, take_launcher_pid
 from rlserve.server import listeners
 from rlserve.server.control import ControlServicer
 from rlserve.server.frontends import PROCESS_TITLE, Frontends
@@ -271,11 +271,15 @@ def _inference_serving(state: LifecycleState) -> bool:
 async def serve(config: ServeConfig) -> None:
     """Run until SIGINT, SIGTERM or Control/Shutdown (or, with `exit_with_parent`, the exit of
     the process that started it), then shut down gracefully; SIGHUP re-reads the tokens."""
+    launcher = take_launcher_pid() if config.exit_with_parent else None
+    if launcher is not None and is_gone(launcher):
+        logger.warning("the process that started this server (pid %d) is gone: not starting", launcher)
+        return
     server = RlserveServer(config)
     await server.start()
     stop = server.shutdown_requested
     _stop_on_signals(stop, on_hangup=server.reload_credentials)
-    orphan_watch = asyncio.create_task(set_when_orphaned(stop)) if config.exit_with_parent else None
+    orphan_watch = asyncio.create_task(set_when_orphaned(stop, launcher)) if launcher is not None else None
     engine_task = asyncio.create_task(server.start_engine())
     stop_task = asyncio.create_task(stop.wait())
     try:
@@ -313,9 +317,8 @@ def _stop_on_signals(stop: asyncio.Event, on_hangup: Callable[[], None]) -> None
     loop.add_signal_handler(signal.SIGHUP, on_hangup)
 
 
-async def set_when_orphaned(stop: asyncio.Event) -> None:
-    """Set `stop` once the process that started this one has exited."""
-    parent = os.getppid()
+async def set_when_orphaned(stop: asyncio.Event, parent: int) -> None:
+    """Set `stop` once `parent`, the process that started this one, has exited."""
     await parent_exited(parent)
     logger.warning("the process that started this server (pid %d) exited: shutting down", parent)
     stop.set()
@@ -343,7 +346,7 @@ async def _follow(config: ServeConfig, client: FrontendClient, leader_path: str,
     stop = asyncio.Event()
     # Tokens come from frontend 0, reloads too: a SIGHUP to the group changes nothing here.
     _stop_on_signals(stop, on_hangup=lambda: None)
-    orphan_watch = asyncio.ensure_future(set_when_orphaned(stop))
+    orphan_watch = asyncio.ensure_future(set_when_orphaned(stop, take_launcher_pid()))
     link = await LeaderLink.connect(leader_path, index)
     leader_watch = asyncio.ensure_future(_set_when_lost(link, stop))
     server = None

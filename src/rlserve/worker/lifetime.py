@@ -30,7 +30,7 @@ import signal
 import threading
 import time
 
-from rlserve.parent import wait_for_parent_exit
+from rlserve.parent import take_launcher_pid, wait_for_parent_exit
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def register() -> None:
     _started.set()
     atexit.register(gc.freeze)
     threading.Thread(
-        target=_exit_with_parent, args=(os.getppid(),), name="rlserve-exit-with-parent", daemon=True
+        target=_exit_with_parent, args=(take_launcher_pid(),), name="rlserve-exit-with-parent", daemon=True
     ).start()
 
 
