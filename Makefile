@@ -61,10 +61,12 @@ demo: install
 demo-trl: install
 	$(VENV)/bin/rlserve demo --trainer trl $(DEMO_ARGS)
 
-# mypy first (seconds): src/ type-checks, configured in pyproject.toml; then the suite.
+# mypy first (seconds): src/ type-checks, configured in pyproject.toml; then the suite, its
+# modules shared out among TEST_WORKERS pytest processes (pytest-xdist; 0: one process).
+TEST_WORKERS ?= 2
 test: install
 	$(PY) -m mypy
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: install
 	$(PY) benchmarks/generate_throughput.py

@@ -68,6 +68,18 @@ def full_collections() -> Iterator[list[float]]:
         gc.callbacks.remove(note)
 
 
+@contextlib.contextmanager
+def short_temp_dir(prefix: str) -> Iterator[Path]:
+    """A temp dir at a short path, removed afterwards: a Unix socket's path holds at most 107
+    bytes, and one in a directory of pytest's (longer still under pytest-xdist) does not fit,
+    so the engine's sockets would go to vLLM's default place instead."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def long_request(prompt: str = "Tell me a long story", max_new_tokens: int = 200, **kw) -> pb.GenerateRequest:
     return generate_request(prompt, max_new_tokens=max_new_tokens, ignore_eos=True, temperature=0.0, **kw)
 

@@ -50,6 +50,7 @@ from helpers import (
     wait_for_state,
     watched,
 )
+from tiny_model import KV_CACHE_GIB
 
 cloudpickle.register_pickle_by_value(worker_faults)
 
@@ -64,7 +65,7 @@ def doomed(tiny_model_dir):
     port = free_port()
     cmd = [
         sys.executable, "-m", "rlserve", "serve", "--model", str(tiny_model_dir), "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", "0.25",
+        "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", str(KV_CACHE_GIB),
         "--weight-transfer-backend", "rlserve_gloo", "--transfer-timeout-s", str(TIMEOUT_S),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0)
@@ -77,7 +78,7 @@ def doomed(tiny_model_dir):
 @pytest_asyncio.fixture(scope="module")
 async def members(doomed, engines, wt_engine):
     """The session's gloo engine and one of this module's own."""
-    async with engines.own(weight_transfer_backend="rlserve_gloo", kv_cache_gib=0.25) as other:
+    async with engines.own(weight_transfer_backend="rlserve_gloo") as other:
         yield wt_engine, other
 
 

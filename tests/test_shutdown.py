@@ -28,7 +28,8 @@ from rlserve.api.vllm import inference_pb2 as pb
 from rlserve.sdk.client import generate_request
 from rlserve.sdk.launch import free_port
 
-from helpers import KEEP, ProcessLog, eventually, kill_tree, long_request, pause, read_rest
+from helpers import KEEP, ProcessLog, eventually, kill_tree, long_request, pause, read_rest, short_temp_dir
+from tiny_model import KV_CACHE_GIB
 
 START_S = 180
 
@@ -40,7 +41,15 @@ class Server:
     def __init__(self, model: Path, grace_s: float, tmp: Path | None = None) -> None:
         self.port = free_port()
         command = [sys.executable, "-m", "rlserve.cli", "serve", "--model", str(model), "--port", str(self.port)]
-        command += ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", "0.5"]
+        command += [
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--enforce-eager",
+            "--kv-cache-gib",
+            str(KV_CACHE_GIB),
+        ]
         command += ["--shutdown-grace-s", str(grace_s)]
         self.log = ProcessLog("serve")
         # `tmp`: the server's temp dir (TMPDIR), where the engine's sockets go.
@@ -80,12 +89,13 @@ async def launched(*servers: Server | Launcher) -> AsyncIterator[None]:
 
 
 @pytest_asyncio.fixture(scope="module")
-async def drain_servers(tiny_model_dir, tmp_path_factory):
+async def drain_servers(tiny_model_dir):
     """The servers of the two drain tests (grace periods of 20 s and 4 s), the first with a
     temp dir of its own."""
-    servers = [Server(tiny_model_dir, 20, tmp_path_factory.mktemp("server-tmp")), Server(tiny_model_dir, 4)]
-    async with launched(*servers):
-        yield servers
+    with short_temp_dir("server-tmp-") as tmp:
+        servers = [Server(tiny_model_dir, 20, tmp), Server(tiny_model_dir, 4)]
+        async with launched(*servers):
+            yield servers
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -206,7 +216,8 @@ class Launcher:
         self.log = tmp_path / "server.log"
         args = ["--model", str(model), "--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", LAUNCHER, str(self.log), *args, "--kv-cache-gib", "0.25"], stdout=subprocess.PIPE
+            [sys.executable, "-c", LAUNCHER, str(self.log), *args, "--kv-cache-gib", str(KV_CACHE_GIB)],
+            stdout=subprocess.PIPE,
         )
         self.server: psutil.Process | None = None
 
@@ -258,7 +269,15 @@ async def test_a_server_whose_launcher_died_before_it_looked_does_not_start(tiny
     from the launcher itself, sees it gone, and exits without starting an engine. Read from
     its own parent id after the imports, the launcher was init, and the orphans served on."""
     log = tmp_path / "server.log"
-    args = ["--model", str(tiny_model_dir), "--dtype", "float32", "--enforce-eager", "--kv-cache-gib", "0.25"]
+    args = [
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--kv-cache-gib",
+        str(KV_CACHE_GIB),
+    ]
     launcher = subprocess.run(
         [sys.executable, "-c", GONE_AT_ONCE, str(log), *args], capture_output=True, check=True, timeout=60
     )

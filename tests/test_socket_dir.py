@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +21,8 @@ from rlserve.engine import owned_dir
 from rlserve.engine.owned_dir import remove_abandoned
 from rlserve.engine.process_group import RPC_BASE_ENV, SOCKET_DIR_PREFIX, SocketDir
 
+from helpers import short_temp_dir
+
 HOLD = """
 import sys, time
 from rlserve.engine.process_group import SocketDir
@@ -35,12 +36,11 @@ time.sleep(600)
 def temp_dir(monkeypatch) -> Iterator[Path]:
     """The temp dir, here and in the processes this test starts: a short path (pytest's own
     are too long for a socket in a directory inside them)."""
-    path = Path(tempfile.mkdtemp(prefix="sockets-", dir="/tmp"))
-    monkeypatch.setattr(tempfile, "tempdir", str(path))
-    monkeypatch.setenv("TMPDIR", str(path))
-    monkeypatch.delenv(RPC_BASE_ENV, raising=False)
-    yield path
-    shutil.rmtree(path)
+    with short_temp_dir("sockets-") as path:
+        monkeypatch.setattr(tempfile, "tempdir", str(path))
+        monkeypatch.setenv("TMPDIR", str(path))
+        monkeypatch.delenv(RPC_BASE_ENV, raising=False)
+        yield path
 
 
 def holder() -> tuple[subprocess.Popen, Path]:
