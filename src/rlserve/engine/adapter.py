@@ -17,15 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
+from vllm import SamplingParams, TokensPrompt
 from vllm.exceptions import VLLMClientError
 from vllm.lora.request import LoRARequest
-from vllm.platforms import current_platform
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from rlserve.config import EngineConfig
 from rlserve.engine import describe, vllm_compat
+from rlserve.engine.args import engine_args
 from rlserve.engine.liveness import EngineMonitor
 from rlserve.engine.load import LoadBoard, NoPrometheus
 from rlserve.engine.outputs import OutputTranslator, aborted_before_start
@@ -52,43 +52,10 @@ from rlserve.wire.protocol import DTYPE_BYTES
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_CACHE_GIB = 1.0
-WORKER_EXTENSION = "rlserve.worker.extension.RlserveWorkerExtension"
 # Held requests are accounted by an estimate of what they keep alive: a Python int per
 # prompt token plus the prompt text.
 BYTES_PER_HELD_TOKEN = 40
 DRAIN_POLL_S = 0.01
-
-
-def engine_args(config: EngineConfig) -> AsyncEngineArgs:
-    kwargs: dict[str, Any] = {
-        "model": config.model,
-        "served_model_name": config.served_names[0],
-        "dtype": config.dtype,
-        "max_model_len": config.max_model_len,
-        "data_parallel_size": config.data_parallel_size,
-        "enforce_eager": config.enforce_eager,
-        "enable_sleep_mode": config.enable_sleep_mode,
-        "scheduling_policy": config.scheduling_policy,
-        "seed": config.seed,
-        "worker_extension_cls": WORKER_EXTENSION,
-        "disable_log_stats": not config.log_stats,
-        "logprobs_mode": config.logprobs_mode,
-        **config.extra_engine_args,
-    }
-    kv_gib = config.kv_cache_gib
-    if kv_gib is None and current_platform.is_cpu():
-        # Without an explicit size vLLM CPU insists on 92% of the memory node being free.
-        kv_gib = CPU_DEFAULT_KV_CACHE_GIB
-    if kv_gib is not None:
-        kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
-    if config.max_num_seqs is not None:
-        kwargs["max_num_seqs"] = config.max_num_seqs
-    if config.weight_transfer_backend:
-        kwargs["weight_transfer_config"] = {"backend": config.weight_transfer_backend}
-    if config.enable_lora:
-        kwargs.update(enable_lora=True, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
-    return AsyncEngineArgs(**kwargs)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlserve.config import ServeConfig
-from rlserve.engine.adapter import EngineAdapter, engine_args
+from rlserve.engine.adapter import EngineAdapter
+from rlserve.engine.args import engine_args
 from rlserve.engine.shared import FrontendClient, SharedEngine
 from rlserve.frontends.leader import FrontendHub
 from rlserve.lifecycle.state import LifecycleState

@@ -11,9 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -23,8 +22,9 @@ import torch
 from rlserve.api.rlserve.v1 import lifecycle_pb2, lifecycle_pb2_grpc
 from rlserve.api.vllm import control_pb2
 from rlserve.api.vllm import inference_pb2 as pb
+from rlserve.integrations.trl.sampling import ranked_logprobs, sampling_request
 from rlserve.rl.rollout import StreamedSequence, stream_sequences
-from rlserve.sdk.client import AsyncClient, ChannelCredentials, Client, generate_request
+from rlserve.sdk.client import AsyncClient, ChannelCredentials, Client
 from rlserve.sdk.plan import DEFAULT_BUCKET_BYTES, TensorStream
 from rlserve.sdk.weight_sync import SyncStats, WeightSync
 
@@ -191,7 +191,7 @@ class RlserveVLLMClient:
         if unknown:
             raise TypeError(f"generate() got unexpected arguments {sorted(unknown)}")
         self._commit_pending()
-        request = _request(
+        request = sampling_request(
             n=n,
             repetition_penalty=repetition_penalty,
             temperature=temperature,
@@ -207,7 +207,7 @@ class RlserveVLLMClient:
         groups = self._loop.run_until_complete(self._generate(list(prompts), request, n))
         sequences = [s for group in groups for s in group]
         self.last_versions = [s.versions for s in sequences]
-        lps, lp_ids = _logprobs(sequences) if logprobs is not None else (None, None)
+        lps, lp_ids = ranked_logprobs(sequences) if logprobs is not None else (None, None)
         return {
             # A text prompt's ids come from the server; token ids are the caller's own.
             "prompt_ids": [g[0].prompt_ids if isinstance(p, str) else list(p) for g, p in zip(groups, prompts)],
@@ -380,57 +380,3 @@ def drained(named_params: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Iterat
     finally:
         for _ in items:
             pass
-
-
-def _request(
-    *,
-    n: int,
-    repetition_penalty: float,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    min_p: float,
-    max_tokens: int,
-    logprobs: int | None,
-    regex: str | None,
-    generation_kwargs: Mapping[str, Any] | None,
-    truncate_prompt_tokens: int | None,
-) -> pb.GenerateRequest:
-    """The GenerateRequest (without its prompt) for TRL's sampling arguments; what TRL puts
-    in `generation_kwargs` goes as vLLM SamplingParams (native_sampling_params_json)."""
-    if n < 1:
-        raise ValueError(f"n must be at least 1, got {n}")
-    sampling = pb.RandomSampling(num_sequences=n, top_p=top_p, min_p=min_p)
-    if top_k > 0:
-        sampling.top_k = top_k
-    req = generate_request(
-        [], max_new_tokens=max_tokens, temperature=temperature, output_logprobs=logprobs is not None, sampling=sampling
-    )
-    req.ClearField("token_ids")
-    req.decoding.repetition_penalty = repetition_penalty
-    if regex is not None:
-        req.decoding.regex = regex
-    if logprobs:
-        req.response.output_candidates.top_n = logprobs
-    if truncate_prompt_tokens:
-        req.truncate_prompt_tokens = truncate_prompt_tokens
-    if generation_kwargs:
-        req.native_sampling_params_json = json.dumps(dict(generation_kwargs)).encode()
-    return req
-
-
-def _logprobs(sequences: Sequence[StreamedSequence]) -> tuple[list, list]:
-    """Per sequence, per token: the logprobs and their token ids by descending probability,
-    the sampled token among them (TRL's shape: one entry when `logprobs=0`)."""
-    all_lps: list = []
-    all_ids: list = []
-    for s in sequences:
-        lps, ids = [], []
-        for k, (token, lp) in enumerate(zip(s.token_ids, s.logprobs, strict=True)):
-            top = dict(s.candidates[k]) if k < len(s.candidates) else {}
-            ranked = sorted({**top, token: lp}.items(), key=lambda item: -item[1])
-            ids.append([t for t, _ in ranked])
-            lps.append([v for _, v in ranked])
-        all_lps.append(lps)
-        all_ids.append(ids)
-    return all_lps, all_ids
