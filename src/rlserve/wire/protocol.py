@@ -247,23 +247,11 @@ class ChunkInfo:
         messages = raw.get("messages", "bucket")
         if messages not in MESSAGE_LAYOUTS:
             raise ProtocolError(f"update_info.messages must be one of {list(MESSAGE_LAYOUTS)}")
-        tensors = []
-        for (name, dtype, shape, checksum), changed in zip(zip(*lists.values()), num_changed):
-            if not isinstance(name, str) or not name:
-                raise ProtocolError(f"tensor names must be non-empty strings, got {name!r}")
-            if dtype not in DTYPE_BYTES:
-                raise ProtocolError(f"{name}: dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-            if not isinstance(shape, list) or not all(
-                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape
-            ):
-                raise ProtocolError(f"{name}: shape must be a list of non-negative integers")
-            if not isinstance(checksum, str):
-                raise ProtocolError(f"{name}: checksum must be a string")
-            meta = TensorMeta(name, dtype, tuple(shape), checksum, _num_changed(name, changed, shape))
-            if meta.num_bytes > MAX_TENSOR_BYTES:
-                raise ProtocolError(f"{name}: more bytes than any tensor may have ({MAX_TENSOR_BYTES})")
-            tensors.append(meta)
-        return cls(tuple(tensors), bucket_bytes, offset, base, messages)
+        tensors = tuple(
+            _tensor_meta(name, dtype, shape, checksum, changed)
+            for (name, dtype, shape, checksum), changed in zip(zip(*lists.values()), num_changed)
+        )
+        return cls(tensors, bucket_bytes, offset, base, messages)
 
     def to_json(self) -> dict[str, Any]:
         patches = any(t.num_changed is not None for t in self.tensors)
@@ -286,6 +274,24 @@ class ChunkInfo:
         if self.messages == "bucket":
             return [(None, 0, bucket.num_bytes)]
         return [(i, offset, self.tensors[i].num_bytes) for i, offset in bucket.placements if self.tensors[i].num_bytes]
+
+
+def _tensor_meta(name: Any, dtype: Any, shape: Any, checksum: Any, changed: Any) -> TensorMeta:
+    """One tensor of a chunk's update_info, strictly typed."""
+    if not isinstance(name, str) or not name:
+        raise ProtocolError(f"tensor names must be non-empty strings, got {name!r}")
+    if dtype not in DTYPE_BYTES:
+        raise ProtocolError(f"{name}: dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape
+    ):
+        raise ProtocolError(f"{name}: shape must be a list of non-negative integers")
+    if not isinstance(checksum, str):
+        raise ProtocolError(f"{name}: checksum must be a string")
+    meta = TensorMeta(name, dtype, tuple(shape), checksum, _num_changed(name, changed, shape))
+    if meta.num_bytes > MAX_TENSOR_BYTES:
+        raise ProtocolError(f"{name}: more bytes than any tensor may have ({MAX_TENSOR_BYTES})")
+    return meta
 
 
 def _num_changed(name: str, raw: Any, shape: list[int]) -> int | None:
