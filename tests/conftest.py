@@ -118,9 +118,9 @@ class Engines:
     relies on an engine refusing them. Servers the tests start as processes of their own
     (`rlserve serve`, the demo, fleets in namespaces, Ray) run as in production, without it."""
 
-    # About 1.4 GB resident each (engine core and worker, with the tests' KV cache): a
-    # session that kept every configuration it met held ten, and two sessions side by side
-    # (pytest -n 2) ran the machine out of memory.
+    # About 1.45 GB resident each (engine core and worker, with the tests' KV cache): a
+    # session that kept all six configurations it meets held 11 GB with the old 0.5 GiB
+    # caches, and two sessions side by side (pytest -n 2) ran the machine out of memory.
     MAX_LIVE = 3
     PLAIN: tuple = ()
     module = ""  # the module running now (`_running_module`)
