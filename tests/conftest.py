@@ -121,7 +121,9 @@ class Engines:
     # About 1.45 GB resident each (engine core and worker, with the tests' KV cache): a
     # session that kept all six configurations it meets held 11 GB with the old 0.5 GiB
     # caches, and two sessions side by side (pytest -n 2) ran the machine out of memory.
-    MAX_LIVE = 3
+    # With three, a run's peak was 17.8-20.0 GB of 23.5 (Ray kills actors at 95%); with
+    # two, 15.0 GB, for three more engine starts (about 25 s of a run).
+    MAX_LIVE = 2
     PLAIN: tuple = ()
     module = ""  # the module running now (`_running_module`)
 

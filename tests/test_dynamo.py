@@ -39,6 +39,8 @@ from tiny_model import make_tiny_lora
 
 DYNAMO_PYTHON = Path(__file__).resolve().parent.parent / ".venv-dynamo" / "bin" / "python"
 START_S = 120.0
+# How long a completion waits for Dynamo's frontend to route to a worker that was paused.
+ROUTED_AGAIN_S = 10.0
 
 
 @pytest.fixture(autouse=True)
@@ -141,14 +143,13 @@ async def dynamo(grpc_target: str, model: str, tmp: Path, **extra_env: str) -> A
 
 @pytest.fixture
 async def stack(wt_engine, engine_config, tmp_path, tiny_model_dir):
-    async with (
-        gloo_server(wt_engine, engine_config, transfer_timeout_s=20) as s,
-        dynamo(s.target, engine_config.served_names[0], tmp_path) as d,
-    ):
+    async with gloo_server(wt_engine, engine_config, transfer_timeout_s=20) as s:
         # The shared engine may serve what an earlier module synced (the weights this module
-        # syncs among them: test_fleet's): the checkpoint first.
+        # syncs among them: test_fleet's): the checkpoint first, before Dynamo watches the
+        # server (the sync's pause takes it out of Dynamo's routing pool for a while).
         await sync_checkpoint(s.target, tiny_model_dir)
-        yield s, d
+        async with dynamo(s.target, engine_config.served_names[0], tmp_path) as d:
+            yield s, d
 
 
 async def test_dynamo_discovers_rlserve_and_serves_completions_and_chat(stack):
@@ -166,11 +167,25 @@ async def test_dynamo_discovers_rlserve_and_serves_completions_and_chat(stack):
 
 
 def stream_completion(url: str, body: dict, events: list[dict], started: threading.Event) -> None:
-    """A streaming completion through Dynamo's frontend: every SSE event into `events`."""
+    """A streaming completion through Dynamo's frontend: every SSE event into `events`.
+
+    Dynamo's sidecar takes a paused worker out of its routing pool and puts it back when it
+    resumes; its frontend sees it back a few milliseconds later and answers 503 meanwhile
+    (seen under load: a request 3 ms after the worker was back). Such a 503, before anything
+    streamed, is asked again for up to ROUTED_AGAIN_S."""
     request = urllib.request.Request(
         url, data=json.dumps({**body, "stream": True}).encode(), headers={"content-type": "application/json"}
     )
-    with urllib.request.urlopen(request, timeout=120) as response:
+    deadline = time.monotonic() + ROUTED_AGAIN_S
+    while True:
+        try:
+            response = urllib.request.urlopen(request, timeout=120)
+            break
+        except urllib.error.HTTPError as e:
+            if e.code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    with response:
         for line in response:
             line = line.strip()
             if line.startswith(b"data:") and line != b"data: [DONE]":
