@@ -31,9 +31,22 @@ def take_launcher_pid() -> int:
     return int(named) if named.isdigit() else os.getppid()
 
 
-def is_gone(parent: int) -> bool:
-    """Whether `parent` (this process's parent when it started) has exited."""
-    return os.getppid() != parent
+def is_gone(launcher: int) -> bool:
+    """Whether `launcher` has exited. While it is this process's parent it has not; otherwise
+    it has unless a process that has not exited still has its pid (a launcher that started
+    this one through a wrapper, `nohup` or a shell, is still there)."""
+    return os.getppid() != launcher and not _running(launcher)
+
+
+def _running(pid: int) -> bool:
+    """Whether a process that has not exited has this pid (a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read()
+    except OSError:
+        return False
+    state = fields[fields.rindex(b")") + 2 : fields.rindex(b")") + 3]  # after "pid (comm) "
+    return state not in (b"Z", b"X")
 
 
 def wait_for_parent_exit(parent: int, poll_s: float = POLL_S) -> None:
