@@ -121,9 +121,10 @@ class Engines:
     # About 1.45 GB resident each (engine core and worker, with the tests' KV cache): a
     # session that kept all six configurations it meets held 11 GB with the old 0.5 GiB
     # caches, and two sessions side by side (pytest -n 2) ran the machine out of memory.
-    # With three, a run's peak was 17.8-20.0 GB of 23.5 (Ray kills actors at 95%); with
-    # two, 15.0 GB, for three more engine starts (about 25 s of a run).
-    MAX_LIVE = 2
+    # With three, a two-process run's peak was 17.8-20.0 GB of 23.5 (Ray kills actors at
+    # 95%); with two, 15.0-17.8 GB (the servers the process modules start make the peak),
+    # for three more engine starts and runs of 879-975 s against 837-840.
+    MAX_LIVE = 3
     PLAIN: tuple = ()
     module = ""  # the module running now (`_running_module`)
 

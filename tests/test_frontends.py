@@ -220,7 +220,9 @@ async def test_a_refusal_on_the_other_frontend_lands_in_the_one_audit(fronts):
 
 async def test_a_weight_sync_reaches_the_requests_of_every_frontend(fronts, tiny_model_dir):
     """The trainer's one call (pause KEEP, transfer, commit, resume) through frontend 0's control
-    plane: requests kept in both processes go on under the new weights and say so."""
+    plane: requests kept in both processes go on under the new weights and say so. Not staged:
+    a staged sync pauses only for its commit, and under load (two pytest processes) the 300
+    tokens were done on the old weights before it did."""
     with Client(fronts.control_target) as client:
         weight_sync = WeightSync(client, timeout_s=60)
         try:
@@ -229,7 +231,8 @@ async def test_a_weight_sync_reaches_the_requests_of_every_frontend(fronts, tiny
             await asyncio.gather(*(c.read() for c in calls))
             assert all(await fronts.open_requests())
             # Verified: the digests of what the engine serves are the trainer's.
-            await asyncio.to_thread(weight_sync.sync, perturbed(tiny_model_dir, seed=5), "frontends-1")
+            weights = perturbed(tiny_model_dir, seed=5)
+            await asyncio.to_thread(weight_sync.sync, weights, "frontends-1", staged=False)
         finally:
             weight_sync.close()
     lasts = [(await read_rest(c))[-1].outputs for c in calls]
