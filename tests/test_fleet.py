@@ -50,7 +50,7 @@ from helpers import (
     wait_for_state,
     watched,
 )
-from tiny_model import KV_CACHE_GIB
+from tiny_model import SERVE_ARGS
 
 cloudpickle.register_pickle_by_value(worker_faults)
 
@@ -65,7 +65,7 @@ def doomed(tiny_model_dir):
     port = free_port()
     cmd = [
         sys.executable, "-m", "rlserve", "serve", "--model", str(tiny_model_dir), "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", str(KV_CACHE_GIB),
+        *SERVE_ARGS,
         "--weight-transfer-backend", "rlserve_gloo", "--transfer-timeout-s", str(TIMEOUT_S),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0)

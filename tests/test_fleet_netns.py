@@ -27,7 +27,7 @@ from rlserve.sdk.launch import free_port
 from rlserve.wire.protocol import tensor_checksum
 
 from helpers import perturbed
-from tiny_model import KV_CACHE_GIB
+from tiny_model import SERVE_ARGS
 
 TRAINER_IP, SERVER_IP = "10.231.0.1", "10.231.0.2"
 TOKEN = "fleet-admin-" + uuid.uuid4().hex
@@ -71,7 +71,7 @@ async def servers(namespace, tiny_model_dir, tmp_path_factory):
                 "ip", "netns", "exec", namespace,
                 sys.executable, "-m", "rlserve", "serve", "--model", str(tiny_model_dir),
                 "--host", SERVER_IP, "--port", str(port), "--auth-tokens-file", str(tokens),
-                "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", str(KV_CACHE_GIB),
+                *SERVE_ARGS,
                 "--weight-transfer-backend", "rlserve_gloo", "--transfer-timeout-s", str(TIMEOUT_S),
             ]  # fmt: skip
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0))

@@ -30,7 +30,7 @@ from rlserve.sdk.launch import ServerProcess, free_port
 from rlserve.sdk.weight_sync import WeightSync
 
 from helpers import eventually, kill_tree, long_request, perturbed, read_rest, scrape, value
-from tiny_model import KV_CACHE_GIB
+from tiny_model import SERVE_ARGS
 
 # Connections each land on one process; with this many, both get some (all on one: 2^-15).
 NUM_CHANNELS = 16
@@ -80,16 +80,7 @@ async def frontends_server(
     extra = ("--weight-transfer-backend", "rlserve_gloo", *extra)
     args = ["--model", str(model), "--frontends", "2", "--control-address", control]
     args += ["--metrics-port", str(metrics_port)]
-    args += [
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--enforce-eager",
-        "--kv-cache-gib",
-        str(KV_CACHE_GIB),
-        *extra,
-    ]
+    args += [*SERVE_ARGS, *extra]
     server = ServerProcess(args, log_path=tmp_path / "server.log")
     fronts = None
     try:

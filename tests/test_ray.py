@@ -26,10 +26,9 @@ from rlserve.sdk.launch import free_port
 from rlserve.wire.protocol import tensor_checksum
 
 from helpers import ProcessLog, kill_tree, perturbed
-from tiny_model import KV_CACHE_GIB
+from tiny_model import SERVE_ARGS
 
 RAY = str(Path(sys.executable).with_name("ray"))
-SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", str(KV_CACHE_GIB))
 
 
 @pytest.fixture(scope="module")

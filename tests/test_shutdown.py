@@ -29,7 +29,7 @@ from rlserve.sdk.client import generate_request
 from rlserve.sdk.launch import free_port
 
 from helpers import KEEP, ProcessLog, eventually, kill_tree, long_request, pause, read_rest, short_temp_dir
-from tiny_model import KV_CACHE_GIB
+from tiny_model import SERVE_ARGS
 
 START_S = 180
 
@@ -41,15 +41,7 @@ class Server:
     def __init__(self, model: Path, grace_s: float, tmp: Path | None = None) -> None:
         self.port = free_port()
         command = [sys.executable, "-m", "rlserve.cli", "serve", "--model", str(model), "--port", str(self.port)]
-        command += [
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "512",
-            "--enforce-eager",
-            "--kv-cache-gib",
-            str(KV_CACHE_GIB),
-        ]
+        command += SERVE_ARGS
         command += ["--shutdown-grace-s", str(grace_s)]
         self.log = ProcessLog("serve")
         # `tmp`: the server's temp dir (TMPDIR), where the engine's sockets go.
@@ -214,9 +206,8 @@ class Launcher:
 
     def __init__(self, model: Path, tmp_path: Path) -> None:
         self.log = tmp_path / "server.log"
-        args = ["--model", str(model), "--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", LAUNCHER, str(self.log), *args, "--kv-cache-gib", str(KV_CACHE_GIB)],
+            [sys.executable, "-c", LAUNCHER, str(self.log), "--model", str(model), *SERVE_ARGS],
             stdout=subprocess.PIPE,
         )
         self.server: psutil.Process | None = None
@@ -269,15 +260,7 @@ async def test_a_server_whose_launcher_died_before_it_looked_does_not_start(tiny
     from the launcher itself, sees it gone, and exits without starting an engine. Read from
     its own parent id after the imports, the launcher was init, and the orphans served on."""
     log = tmp_path / "server.log"
-    args = [
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--kv-cache-gib",
-        str(KV_CACHE_GIB),
-    ]
+    args = ["--model", str(tiny_model_dir), *SERVE_ARGS]
     launcher = subprocess.run(
         [sys.executable, "-c", GONE_AT_ONCE, str(log), *args], capture_output=True, check=True, timeout=60
     )

@@ -28,6 +28,8 @@ SEED = 0
 # (2 layers x K and V x 2 heads x 32 x 4 bytes), twice what 64 sequences of 512 tokens need.
 # vLLM's CPU worker keeps its cache resident, so each engine at 0.5 GiB held 450 MB more.
 KV_CACHE_GIB = 1 / 16
+# What `rlserve serve` processes the tests start run this model with (as the session's engines).
+SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--kv-cache-gib", str(KV_CACHE_GIB))
 
 
 def make_tiny_model(path: Path) -> Path:
