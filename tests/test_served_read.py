@@ -10,6 +10,7 @@ import pytest
 import torch
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
+from rlserve.worker import served
 from rlserve.worker.served import _read_kernel
 
 OUT, IN = 48, 40
@@ -97,3 +98,27 @@ def test_a_kernel_that_refuses_the_probes_weights_is_read_through_the_identity()
     layer.cpu_linear = strict
     assert torch.equal(_read_kernel(layer), layer.weight)
     assert sum(layer.rows_seen) >= IN
+
+
+def test_a_packed_kernel_is_read_in_pieces_of_bounded_work(monkeypatch):
+    """Between pieces a digest pass lets the engine step: each piece feeds the kernel about
+    PROBE_BLOCK_MACS multiply-adds' worth of identity rows, never under PROBE_MIN_ROWS."""
+    monkeypatch.setattr(served, "PROBE_BLOCK_MACS", 8 * IN * OUT)
+    monkeypatch.setattr(served, "PROBE_MIN_ROWS", 4)
+    packed = weights(torch.float32)
+    layer = Layer(torch.zeros(OUT, IN))
+    layer.cpu_linear = lambda x, weight, bias: (layer.count(x), torch.nn.functional.linear(x, packed, bias))[1]
+    reading = served._read_kernel_in_pieces(layer)
+    fed_per_piece = []
+    while True:
+        seen = len(layer.rows_seen)
+        try:
+            next(reading)
+        except StopIteration as done:
+            assert torch.equal(done.value, packed)
+            break
+        fed_per_piece.append(sum(layer.rows_seen[seen:]))
+    assert fed_per_piece == [2 + 8] + [8] * (IN // 8 - 1)  # the first after the probe's two unit rows
+    monkeypatch.setattr(served, "PROBE_BLOCK_MACS", 1)
+    assert torch.equal(served._read_kernel(layer), packed)
+    assert layer.rows_seen[-1] == 4  # a block of PROBE_MIN_ROWS, however small the budget

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +23,13 @@ import torch
 from rlserve.wire.protocol import ErrorCode, WorkerError, combined_checksum, tensor_checksum
 from rlserve.worker import vllm_compat
 
-# Rows of the identity fed to a packed kernel at once: bounds the probe's scratch memory.
+# Rows of the identity fed to a packed kernel at once: at most PROBE_BLOCK_ELEMENTS elements
+# of scratch, and about PROBE_BLOCK_MACS multiply-adds (5 ms on one core of an AVX-512 BF16
+# CPU), but never under PROBE_MIN_ROWS, below which a GEMM rereads its packed weight for too
+# few rows (SmolLM2's lm_head: 35 multiply-adds per ns at 4 rows, 97 at 64, 106 at 256).
 PROBE_BLOCK_ELEMENTS = 1 << 24
+PROBE_BLOCK_MACS = 1 << 29
+PROBE_MIN_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,7 @@ class ServedWeights:
         self._kernel_holds_no_weights: dict[str, bool] = {}
         self._digests: dict[str, str] = {}
         self._inconsistent: set[str] = set()
-        self._pending: list[str] = sorted(self._names)
+        self._work: Iterator[None] | None = None  # the digest pass under way
         # Digests are taken on the engine loop; an in-place update invalidates them from its
         # transfer thread.
         self._lock = threading.Lock()
@@ -85,23 +91,47 @@ class ServedWeights:
         with self._lock:
             self._digests.clear()
             self._inconsistent.clear()
-            self._pending = sorted(self._names)
+            self._work = None
 
     def advance(self, budget_s: float) -> bool:
-        """Digest tensors until `budget_s` is spent; True once every tensor is digested. Run
-        between engine steps, so generation goes on while a large model is digested."""
+        """Digest until `budget_s` is spent; True once every tensor is digested. Run between
+        engine steps, so generation goes on while a large model is digested: a slice ends
+        with the piece of work (a few ms) under way at its deadline."""
         with self._lock:
+            if self._work is None:
+                self._work = self._digest_pass()
             deadline = time.monotonic() + budget_s
-            while self._pending and time.monotonic() < deadline:
-                name = self._pending.pop()
-                digests = {tensor_checksum(self.read(site)) for site in self._sites[name]}
-                if len(digests) == 1:
-                    self._digests[name] = digests.pop()
+            for _ in self._work:
+                if time.monotonic() >= deadline:
+                    return False
+            return True
+
+    def _digest_pass(self) -> Iterator[None]:
+        """Digest every checkpoint tensor, pausing (a `yield`) after each piece of work: a
+        block of a packed layer's read, a tensor's digest. A packed layer is read once for all
+        the tensors fused into it (q, k and v; gate and up), not once per tensor."""
+        readers = Counter(site.module_name for sites in self._sites.values() for site in sites if site.via_kernel)
+        kernels: dict[str, torch.Tensor] = {}  # module -> W as its kernel computes it, while a tensor in it is left
+        for name in sorted(self._names):
+            digests = set()
+            for site in self._sites[name]:
+                if not site.via_kernel:
+                    tensor = self.read(site)
                 else:
-                    # The places serving this tensor disagree: no single tensor describes it.
-                    self._inconsistent.add(name)
-                    self._digests[name] = combined_checksum({str(i): d for i, d in enumerate(sorted(digests))})
-            return not self._pending
+                    if site.module_name not in kernels:
+                        kernels[site.module_name] = yield from _read_kernel_in_pieces(site.module)
+                    tensor = _rows(kernels[site.module_name], site.rows)
+                    readers[site.module_name] -= 1
+                    if not readers[site.module_name]:
+                        del kernels[site.module_name]
+                digests.add(tensor_checksum(tensor))
+                yield
+            if len(digests) == 1:
+                self._digests[name] = digests.pop()
+            else:
+                # The places serving this tensor disagree: no single tensor describes it.
+                self._inconsistent.add(name)
+                self._digests[name] = combined_checksum({str(i): d for i, d in enumerate(sorted(digests))})
 
     @property
     def digests(self) -> Mapping[str, str]:
@@ -160,8 +190,11 @@ class ServedWeights:
     @staticmethod
     def read(site: Site) -> torch.Tensor:
         module = site.module
-        tensor = _read_kernel(module) if site.via_kernel else getattr(module, site.param_name).detach()
-        return tensor[site.rows] if site.rows is not None else tensor
+        return _rows(_read_kernel(module) if site.via_kernel else getattr(module, site.param_name).detach(), site.rows)
+
+
+def _rows(tensor: torch.Tensor, rows: slice | None) -> torch.Tensor:
+    return tensor[rows] if rows is not None else tensor
 
 
 def _find_sites(model: torch.nn.Module, names: frozenset[str]) -> dict[str, list[Site]]:
@@ -218,19 +251,40 @@ def _output_sizes(module: torch.nn.Module, num_members: int, module_name: str) -
 
 
 def _read_kernel(module: torch.nn.Module) -> torch.Tensor:
-    """W (out x in) as the layer's kernel computes it: the weight it is called with where it
-    computes from that, else rows of the identity through it (in^2 * out multiply-adds: a minute
-    for SmolLM2 in bf16 on a CPU without native bf16, where vLLM does not pack at all)."""
+    """W (out x in) as the layer's kernel computes it, in one go."""
+    reading = _read_kernel_in_pieces(module)
+    while True:
+        try:
+            next(reading)
+        except StopIteration as done:
+            result: torch.Tensor = done.value
+            return result
+
+
+def _read_kernel_in_pieces(module: torch.nn.Module) -> Generator[None, None, torch.Tensor]:
+    """W (out x in) as the layer's kernel computes it (the generator's value), pausing between
+    pieces of a few ms: the weight it is called with where it computes from that, else rows
+    of the identity through it (in^2 * out multiply-adds: 0.18 s for SmolLM2's lm_head on one
+    core here; a minute for all of SmolLM2 in bf16 on a CPU without native bf16, where vLLM
+    does not pack at all). The rows of the identity give W's transpose, a block of rows at a
+    time."""
     weight = vllm_compat.kernel_weight(module)
     out_features, in_features = vllm_compat.kernel_shape(module)
     if weight.shape == (out_features, in_features) and vllm_compat.kernel_computes_with_its_argument(module, weight):
         return weight.detach()
-    result = torch.empty(out_features, in_features, dtype=weight.dtype)
-    block = max(1, min(in_features, PROBE_BLOCK_ELEMENTS // max(out_features, in_features)))
+    transposed = torch.empty(in_features, out_features, dtype=weight.dtype)
+    block = min(
+        in_features,
+        max(PROBE_MIN_ROWS, PROBE_BLOCK_MACS // (in_features * out_features)),
+        max(1, PROBE_BLOCK_ELEMENTS // max(out_features, in_features)),
+    )
     with torch.no_grad():
         for start in range(0, in_features, block):
             stop = min(in_features, start + block)
             eye = torch.zeros(stop - start, in_features, dtype=weight.dtype)
             eye[torch.arange(stop - start), torch.arange(start, stop)] = 1
-            result[:, start:stop] = vllm_compat.run_packed_kernel(module, eye, weight).t().to(weight.dtype)
-    return result
+            transposed[start:stop] = vllm_compat.run_packed_kernel(module, eye, weight)
+            yield
+    # One piece: torch transposes a whole matrix in blocks (30 ms for the lm_head here), a
+    # slice of one element by element (five times that).
+    return transposed.t().contiguous()
