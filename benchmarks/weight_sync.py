@@ -25,7 +25,11 @@ stated in. Each SDK leg says `staged`, `stage_s` (generating meanwhile) and
 `pause_to_resume_s` (generation paused), of which `pause_s` is the pause taking effect (the
 engine ends its step in flight first: under load, about one step); the staged legs also give
 the load's tokens/s while idle and while a sync stages (trainer, server and load share this
-machine's cores).
+machine's cores), and the longest time between two of its tokens, idle (`longest_token_gap_idle_s`)
+and over a whole sync (`longest_token_gap_s`: staging, the pause, the recompute of the kept
+requests on the new weights, and the read-back of the served digests after the resume), which
+is how long generation stopped at worst. `sync_s` is a whole `WeightSync.sync` call, the
+read-back included.
 """
 
 from __future__ import annotations
@@ -187,26 +191,29 @@ def sdk_seconds(
         sync.sync(weights, "warm-up", staged=staged)
         settle(server_pid)
         with GenerationLoad(target) if load else contextlib.nullcontext() as gen:
-            idle = gen.tokens_per_s(IDLE_S) if gen else None
-            windows = []
+            idle_window = gen.idle_window(IDLE_S) if gen else None
+            runs, spans = [], []
             with PeakMemory(server_pid) as memory:
-                runs = []
                 for i in range(repeats):
-                    t0 = time.perf_counter()
+                    t0 = time.monotonic()
                     runs.append(sync.sync(weights, f"v{i}", staged=staged))
-                    windows.append((t0, t0 + runs[-1].stage_s))
-            staging = gen.tokens_per_s_in(windows) if gen and runs[0].staged else None
+                    spans.append((t0, time.monotonic()))
+            stamps = gen.stamps() if gen else []
         sync.close()
     out: dict[str, object] = {
         **medians(runs),
+        "sync_s": median([b - a for a, b in spans]),
         "staged": runs[0].staged,
         "num_chunks": runs[0].num_chunks,
         "peak_extra_mb": round((memory.peak_bytes - memory.start_bytes) / 1e6, 1),
     }
-    if idle is not None:
-        out["tokens_per_s_idle"] = round(idle, 1)
-    if staging is not None:
-        out["tokens_per_s_while_staging"] = round(staging, 1)
+    if idle_window is not None:
+        out["tokens_per_s_idle"] = round(tokens_per_s(stamps, [idle_window]), 1)
+        if runs[0].staged:
+            staging = [(a, a + r.stage_s) for (a, _), r in zip(spans, runs)]
+            out["tokens_per_s_while_staging"] = round(tokens_per_s(stamps, staging), 1)
+        out["longest_token_gap_idle_s"] = longest_gap(stamps, *idle_window)
+        out["longest_token_gap_s"] = median([longest_gap(stamps, a, b) for a, b in spans])
     return out
 
 
@@ -215,49 +222,84 @@ IDLE_S = 5.0
 
 class GenerationLoad:
     """A steady generation load on the server (a few streams at a time, each a short greedy
-    answer), its tokens stamped with the time they arrived."""
+    answer), its tokens stamped (`time.monotonic()`, one clock for every process) as they
+    arrived. The streams run in a process of their own, so that a stamp is not late because
+    the trainer held its GIL (it digests and plans the sync's 269 MB before the first RPC):
+    the longest gap between tokens is what the server did. (The sync's own timings came out
+    the same either way: pause_s 31-32 ms in six A/B syncs each.)"""
 
     def __init__(self, target: str, streams: int = 4, max_new_tokens: int = 32) -> None:
-        self._target, self._streams, self._max_new_tokens = target, streams, max_new_tokens
-        self._stamps: list[float] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(streams)]
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_load_child, args=(target, streams, max_new_tokens, child), daemon=True)
 
     def __enter__(self) -> GenerationLoad:
-        for t in self._threads:
-            t.start()
-        time.sleep(1.0)  # every stream under way
+        self._proc.start()
+        if not self._conn.poll(120) or self._conn.recv() != "generating":
+            raise RuntimeError("the generation load did not start")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=60)
+        with contextlib.suppress(OSError):
+            self._conn.send("stop")
+        self._proc.join(timeout=60)
+        if self._proc.is_alive():
+            self._proc.kill()
 
-    def _run(self, index: int) -> None:
-        with Client(self._target) as client:
+    def stamps(self) -> list[float]:
+        self._conn.send("stamps")
+        return self._conn.recv()
+
+    def idle_window(self, seconds: float) -> tuple[float, float]:
+        """Wait `seconds` while the load runs alone; the window waited."""
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        return t0, time.monotonic()
+
+
+def tokens_per_s(stamps: list[float], windows: list[tuple[float, float]]) -> float:
+    tokens = sum(1 for t in stamps for a, b in windows if a <= t < b)
+    return tokens / sum(b - a for a, b in windows)
+
+
+def longest_gap(stamps: list[float], start: float, end: float) -> float:
+    """The longest time between two tokens arriving (of any stream) in [start, end], the
+    window's edges counting as arrivals: how long generation stopped at worst."""
+    inside = sorted(t for t in stamps if start <= t <= end)
+    edges = [start, *inside, end]
+    return max(b - a for a, b in zip(edges, edges[1:]))
+
+
+def _load_child(target: str, streams: int, max_new_tokens: int, conn) -> None:
+    stamps: list[float] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def run(index: int) -> None:
+        with Client(target) as client:
             n = 0
-            while not self._stop.is_set():
+            while not stop.is_set():
                 request = generate_request(
-                    f"Story {index}-{n}:", max_new_tokens=self._max_new_tokens, temperature=0.0, ignore_eos=True
+                    f"Story {index}-{n}:", max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True
                 )
                 for chunk in client.inference.GenerateStream(request, timeout=120):
-                    now = time.perf_counter()
-                    with self._lock:
-                        self._stamps.extend([now] * chunk.outputs.num_tokens)
+                    now = time.monotonic()
+                    with lock:
+                        stamps.extend([now] * chunk.outputs.num_tokens)
                 n += 1
 
-    def tokens_per_s(self, seconds: float) -> float:
-        t0 = time.perf_counter()
-        time.sleep(seconds)
-        return self.tokens_per_s_in([(t0, time.perf_counter())])
-
-    def tokens_per_s_in(self, windows: list[tuple[float, float]]) -> float:
-        with self._lock:
-            stamps = list(self._stamps)
-        tokens = sum(1 for t in stamps for a, b in windows if a <= t < b)
-        return tokens / sum(b - a for a, b in windows)
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(streams)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # every stream under way
+    conn.send("generating")
+    while (ask := conn.recv()) != "stop":
+        assert ask == "stamps", ask
+        with lock:
+            conn.send(list(stamps))
+    stop.set()
+    for t in threads:
+        t.join(timeout=60)
 
 
 def medians(runs: list) -> dict[str, float]:
