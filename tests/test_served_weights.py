@@ -317,6 +317,45 @@ async def test_a_digest_pass_reads_each_packed_layer_once_in_pieces(s, wt_engine
     assert digests == dict((await served(s)).per_tensor)
 
 
+def _a_digest_pass_that_fails_once_half_way(worker) -> tuple[str, bool, dict[str, str]]:
+    """A digest pass whose third packed-kernel read fails (as running out of memory would),
+    then the next call: what the failing call raised, whether the next call reported done at
+    once, and the digests it ended with."""
+    from rlserve.worker import vllm_compat
+
+    served = worker._rlserve_served()
+    run = vllm_compat.run_packed_kernel
+    calls = []
+
+    def failing_once(module, x, weight):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("simulated: cannot allocate memory")
+        return run(module, x, weight)
+
+    vllm_compat.run_packed_kernel = failing_once
+    try:
+        served.invalidate()
+        try:
+            served.advance(60.0)
+            raised = ""
+        except RuntimeError as e:
+            raised = str(e)
+        done_at_once = served.advance(0.0)
+        while not served.advance(60.0):
+            pass
+    finally:
+        vllm_compat.run_packed_kernel = run
+    return raised, done_at_once, dict(served.digests)
+
+
+async def test_a_digest_pass_that_fails_half_way_starts_over(s, wt_engine):
+    """It never reports done without the tensors it had left: the next pass digests them all."""
+    ((raised, done_at_once, digests),) = await wt_engine.llm.collective_rpc(_a_digest_pass_that_fails_once_half_way)
+    assert raised == "simulated: cannot allocate memory" and not done_at_once
+    assert digests == dict((await served(s)).per_tensor)
+
+
 async def test_a_read_back_slower_than_a_plain_call_still_verifies_the_sync(s, wt_engine, tiny_model_dir):
     """The digests after the commit are read back from the kernels, work of the model's size:
     the SDK waits for them as for a chunk, not as for a plain call (it reported a committed

@@ -89,21 +89,30 @@ class ServedWeights:
     def invalidate(self) -> None:
         """The served weights changed (a commit); digest everything again on next use."""
         with self._lock:
-            self._digests.clear()
-            self._inconsistent.clear()
-            self._work = None
+            self._start_over()
+
+    def _start_over(self) -> None:
+        self._digests.clear()
+        self._inconsistent.clear()
+        self._work = None
 
     def advance(self, budget_s: float) -> bool:
         """Digest until `budget_s` is spent; True once every tensor is digested. Run between
         engine steps, so generation goes on while a large model is digested: a slice ends
-        with the piece of work (a few ms) under way at its deadline."""
+        with the piece of work (a few ms) under way at its deadline. A pass that fails (a
+        kernel that cannot be read, memory) starts over at the next call, never to report
+        done without the tensors it had left."""
         with self._lock:
             if self._work is None:
                 self._work = self._digest_pass()
             deadline = time.monotonic() + budget_s
-            for _ in self._work:
-                if time.monotonic() >= deadline:
-                    return False
+            try:
+                for _ in self._work:
+                    if time.monotonic() >= deadline:
+                        return False
+            except BaseException:
+                self._start_over()
+                raise
             return True
 
     def _digest_pass(self) -> Iterator[None]:
