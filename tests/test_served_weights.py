@@ -375,6 +375,20 @@ async def test_a_digest_pass_that_fails_half_way_starts_over(s, wt_engine):
     assert digests == dict((await served(s)).per_tensor)
 
 
+async def test_digest_callers_that_vanish_or_overlap_get_what_is_served(s, wt_engine, tiny_model_dir):
+    """A caller that gives up during a read-back (its deadline passes while the worker is in
+    it) disturbs nothing: callers after it, two at once, get the digests of what is served."""
+    weights = perturbed(tiny_model_dir, seed=97)
+    await update(s, weights, "vanishing-readers")  # a commit: the next read-back is a new pass
+    await wt_engine.llm.collective_rpc(slow_next_digest)
+    with pytest.raises(grpc.RpcError) as e:
+        await s.lifecycle.GetWeightChecksum(lpb.GetWeightChecksumRequest(), timeout=0.5)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    first, second = await asyncio.gather(served(s), served(s))
+    assert dict(first.per_tensor) == dict(second.per_tensor) == digests_of(weights)
+    assert not first.inconsistent_tensors
+
+
 async def test_a_read_back_slower_than_a_plain_call_still_verifies_the_sync(s, wt_engine, tiny_model_dir):
     """The digests after the commit are read back from the kernels, work of the model's size:
     the SDK waits for them as for a chunk, not as for a plain call (it reported a committed
