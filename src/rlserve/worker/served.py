@@ -272,11 +272,11 @@ def _read_kernel(module: torch.nn.Module) -> torch.Tensor:
 
 def _read_kernel_in_pieces(module: torch.nn.Module) -> Generator[None, None, torch.Tensor]:
     """W (out x in) as the layer's kernel computes it (the generator's value), pausing between
-    pieces of a few ms: the weight it is called with where it computes from that, else rows
-    of the identity through it (in^2 * out multiply-adds: 0.18 s for SmolLM2's lm_head on one
-    core here; a minute for all of SmolLM2 in bf16 on a CPU without native bf16, where vLLM
-    does not pack at all). The rows of the identity give W's transpose, a block of rows at a
-    time."""
+    pieces of a few ms: the weight it is called with where it computes from that (vLLM's
+    unpacked bf16 layers on a CPU without native bf16, through which the identity would take
+    a minute for SmolLM2), else rows of the identity through it (in^2 * out multiply-adds:
+    0.18 s for SmolLM2's lm_head on one core with AVX-512 BF16), which give W's transpose a
+    block of rows at a time."""
     weight = vllm_compat.kernel_weight(module)
     out_features, in_features = vllm_compat.kernel_shape(module)
     if weight.shape == (out_features, in_features) and vllm_compat.kernel_computes_with_its_argument(module, weight):
