@@ -10,6 +10,7 @@ rlserve's back (or make one commit fail): edges a well-behaved engine never reac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 
 import cloudpickle
@@ -288,6 +289,20 @@ async def test_a_sync_leaves_no_tensor_for_the_garbage_collector(s, wt_engine, t
     assert left == 0
 
 
+@contextlib.contextmanager
+def _packed_kernels_run_by(wrap):
+    """In a worker: every packed kernel the served-weight read runs goes through
+    `wrap(run)(module, x, weight)`, `run` being the real call."""
+    from rlserve.worker import vllm_compat
+
+    run = vllm_compat.run_packed_kernel
+    vllm_compat.run_packed_kernel = wrap(run)
+    try:
+        yield
+    finally:
+        vllm_compat.run_packed_kernel = run
+
+
 def _one_digest_pass_piece_by_piece(worker) -> tuple[dict[str, list[int]], dict[str, int], dict[str, str]]:
     """A digest pass of the served model, one piece of work per `advance(0)`, watching each
     packed kernel it runs: per layer the identity rows each piece fed it, per layer its
@@ -295,25 +310,24 @@ def _one_digest_pass_piece_by_piece(worker) -> tuple[dict[str, list[int]], dict[
     from rlserve.worker import vllm_compat
 
     served = worker._rlserve_served()
-    run = vllm_compat.run_packed_kernel
     fed: dict[str, list[int]] = {}
     pieces: list[dict[str, int]] = []
     layer_of = {id(m): n for n, m in worker.model_runner.get_model().named_modules()}
 
-    def watched(module, x, weight):
-        if not (x.shape[0] == 1 and weight.shape[0] == 1):  # not the one-row probe
-            pieces[-1][layer_of[id(module)]] = pieces[-1].get(layer_of[id(module)], 0) + x.shape[0]
-        return run(module, x, weight)
+    def watched(run):
+        def call(module, x, weight):
+            if not (x.shape[0] == 1 and weight.shape[0] == 1):  # not the one-row probe
+                pieces[-1][layer_of[id(module)]] = pieces[-1].get(layer_of[id(module)], 0) + x.shape[0]
+            return run(module, x, weight)
 
-    vllm_compat.run_packed_kernel = watched
-    try:
+        return call
+
+    with _packed_kernels_run_by(watched):
         served.invalidate()
         done = False
         while not done and len(pieces) < 10_000:
             pieces.append({})
             done = served.advance(0.0)  # each call does one piece of work, however short its budget
-    finally:
-        vllm_compat.run_packed_kernel = run
     assert done, "a digest pass of the tiny model did not end in 10,000 pieces"
     for piece in pieces:
         assert len(piece) <= 1, piece  # a piece runs one kernel
@@ -324,7 +338,7 @@ def _one_digest_pass_piece_by_piece(worker) -> tuple[dict[str, list[int]], dict[
     return fed, inputs, dict(served.digests)
 
 
-async def test_a_digest_pass_reads_each_packed_layer_once_in_pieces(s, wt_engine):
+async def test_a_digest_pass_reads_each_packed_layer_once_in_pieces(s, wt_engine, tiny_model_dir):
     """A layer that serves several checkpoint tensors (q, k, v; gate, up) is read through its
     kernel once per pass, not once per tensor (SmolLM2's digest pass: 0.94 -> 0.75 s on two
     cores); the pass yields to the engine between pieces of a few ms, not between tensors
@@ -333,27 +347,26 @@ async def test_a_digest_pass_reads_each_packed_layer_once_in_pieces(s, wt_engine
     assert fed, "no layer of the test model is read through a packed kernel"
     assert any("qkv_proj" in layer for layer in fed) and any("gate_up_proj" in layer for layer in fed)
     assert {layer: sum(rows) for layer, rows in fed.items()} == inputs
-    assert digests == dict((await served(s)).per_tensor)
+    assert digests == digests_of(checkpoint(tiny_model_dir))  # what every test here starts from
 
 
 def _a_digest_pass_that_fails_once_half_way(worker) -> tuple[str, bool, dict[str, str]]:
     """A digest pass whose third packed-kernel read fails (as running out of memory would),
     then the next call: what the failing call raised, whether the next call reported done at
     once, and the digests it ended with."""
-    from rlserve.worker import vllm_compat
-
     served = worker._rlserve_served()
-    run = vllm_compat.run_packed_kernel
     calls = []
 
-    def failing_once(module, x, weight):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("simulated: cannot allocate memory")
-        return run(module, x, weight)
+    def failing_once(run):
+        def call(module, x, weight):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("simulated: cannot allocate memory")
+            return run(module, x, weight)
 
-    vllm_compat.run_packed_kernel = failing_once
-    try:
+        return call
+
+    with _packed_kernels_run_by(failing_once):
         served.invalidate()
         try:
             served.advance(60.0)
@@ -363,16 +376,14 @@ def _a_digest_pass_that_fails_once_half_way(worker) -> tuple[str, bool, dict[str
         done_at_once = served.advance(0.0)
         while not served.advance(60.0):
             pass
-    finally:
-        vllm_compat.run_packed_kernel = run
     return raised, done_at_once, dict(served.digests)
 
 
-async def test_a_digest_pass_that_fails_half_way_starts_over(s, wt_engine):
+async def test_a_digest_pass_that_fails_half_way_starts_over(s, wt_engine, tiny_model_dir):
     """It never reports done without the tensors it had left: the next pass digests them all."""
     ((raised, done_at_once, digests),) = await wt_engine.llm.collective_rpc(_a_digest_pass_that_fails_once_half_way)
     assert raised == "simulated: cannot allocate memory" and not done_at_once
-    assert digests == dict((await served(s)).per_tensor)
+    assert digests == digests_of(checkpoint(tiny_model_dir))
 
 
 async def test_digest_callers_that_vanish_or_overlap_get_what_is_served(s, wt_engine, tiny_model_dir):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -117,24 +116,26 @@ class ServedWeights:
 
     def _digest_pass(self) -> Iterator[None]:
         """Digest every checkpoint tensor, pausing (a `yield`) after each piece of work: a
-        block of a packed layer's read, a tensor's digest. A packed layer is read once for all
-        the tensors fused into it (q, k and v; gate and up), not once per tensor."""
-        readers = Counter(site.module_name for sites in self._sites.values() for site in sites if site.via_kernel)
-        kernels: dict[str, torch.Tensor] = {}  # module -> W as its kernel computes it, while a tensor in it is left
-        for name in sorted(self._names):
-            digests = set()
-            for site in self._sites[name]:
+        block of a packed layer's read, a tensor's digest. The places that serve tensors are
+        taken module by module, so a packed layer is read once for all the tensors fused into
+        it (q, k and v; gate and up), not once per tensor."""
+        by_module: dict[str, list[Site]] = {}
+        for sites in self._sites.values():
+            for site in sites:
+                by_module.setdefault(site.module_name, []).append(site)
+        found: dict[str, set[str]] = {name: set() for name in self._names}
+        for sites in by_module.values():
+            kernel: torch.Tensor | None = None  # W as this module's kernel computes it, once read
+            for site in sites:
                 if not site.via_kernel:
                     tensor = self.read(site)
                 else:
-                    if site.module_name not in kernels:
-                        kernels[site.module_name] = yield from _read_kernel_in_pieces(site.module)
-                    tensor = _rows(kernels[site.module_name], site.rows)
-                    readers[site.module_name] -= 1
-                    if not readers[site.module_name]:
-                        del kernels[site.module_name]
-                digests.add(tensor_checksum(tensor))
+                    if kernel is None:
+                        kernel = yield from _read_kernel_in_pieces(site.module)
+                    tensor = _rows(kernel, site.rows)
+                found[site.checkpoint_name].add(tensor_checksum(tensor))
                 yield
+        for name, digests in found.items():
             if len(digests) == 1:
                 self._digests[name] = digests.pop()
             else:
